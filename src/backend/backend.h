@@ -1,0 +1,55 @@
+// The backend boundary: one forward pass over a run of tokens of one
+// sequence, against that sequence's cache. cpu/ is the portable reference;
+// other backends (cuda/) implement the same interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "model/weights.h"
+
+namespace lily {
+
+// A sequence's model state in backend memory: KV cache of the attention
+// layers, recurrent + conv state of the DeltaNet layers, and how many
+// positions it holds. The engine owns it; the backend creates it.
+class SequenceCache {
+ public:
+  virtual ~SequenceCache() = default;
+  int n_past() const { return n_past_; }
+  // A deep copy (for snapshots: prefix reuse, speculative rollback).
+  virtual std::unique_ptr<SequenceCache> clone() const = 0;
+  virtual size_t bytes() const = 0;
+
+ protected:
+  int n_past_ = 0;
+};
+
+enum class LogitsMode { LastOnly, All };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual const ModelConfig& config() const = 0;
+  // max_positions: capacity the cache may reserve up front (it may grow).
+  virtual std::unique_ptr<SequenceCache> new_cache(int max_positions) = 0;
+  // Appends `tokens` to the sequence at positions [n_past, n_past + n) and
+  // writes logits (n x vocab for All, vocab for LastOnly) to `logits`.
+  // One token runs the decode path; more run the prefill path.
+  virtual void forward(SequenceCache& cache, std::span<const int> tokens, LogitsMode mode,
+                       float* logits) = 0;
+};
+
+struct BackendOptions {
+  std::string kind = "cpu";
+  int threads = 0;  // 0: all hardware threads
+};
+
+// Takes ownership of the weights.
+std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
+                                      const BackendOptions& options);
+
+}  // namespace lily

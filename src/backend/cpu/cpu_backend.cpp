@@ -1,0 +1,297 @@
+// The CPU forward pass for Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE. One
+// decoder layer is
+//   x += mixer(norm(x))   mixer: gated full attention or Gated DeltaNet
+//   x += ffn(norm(x))     ffn:   SwiGLU MLP or routed MoE (+ shared expert)
+// f32 activations throughout; weights stay as stored (see kernels.h).
+#include "backend/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/kernels.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+namespace lily {
+
+namespace {
+
+using cpu::matmul;
+
+class CpuCache final : public SequenceCache {
+ public:
+  struct Layer {
+    std::vector<float> k, v;          // attention: [positions][kv_heads * head_dim]
+    std::vector<float> state, conv;   // DeltaNet: [v_heads][dk][dv], [channels][kernel - 1]
+  };
+  std::vector<Layer> layers;
+
+  std::unique_ptr<SequenceCache> clone() const override {
+    return std::make_unique<CpuCache>(*this);
+  }
+  size_t bytes() const override {
+    size_t n = 0;
+    for (const auto& l : layers) n += 4 * (l.k.size() + l.v.size() + l.state.size() + l.conv.size());
+    return n;
+  }
+  void advance(int n) { n_past_ += n; }
+};
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(std::unique_ptr<ModelWeights> w, int threads)
+      : w_(std::move(w)), c_(w_->config), pool_(threads > 0 ? threads : 0) {}
+
+  std::string name() const override { return "cpu"; }
+  const ModelConfig& config() const override { return c_; }
+
+  std::unique_ptr<SequenceCache> new_cache(int max_positions) override {
+    auto cache = std::make_unique<CpuCache>();
+    cache->layers.resize(c_.num_layers);
+    for (int i = 0; i < c_.num_layers; ++i) {
+      auto& L = cache->layers[i];
+      if (c_.layer_kinds[i] == LayerKind::FullAttention) {
+        const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
+        L.k.reserve(row * std::max(0, max_positions));
+        L.v.reserve(row * std::max(0, max_positions));
+      } else {
+        L.state.assign(static_cast<size_t>(c_.linear_num_value_heads) * c_.linear_key_head_dim *
+                           c_.linear_value_head_dim, 0.f);
+        L.conv.assign(static_cast<size_t>(c_.deltanet_qkv_dim()) * (c_.linear_conv_kernel - 1), 0.f);
+      }
+    }
+    return cache;
+  }
+
+  void forward(SequenceCache& base, std::span<const int> tokens, LogitsMode mode,
+               float* logits) override {
+    auto& cache = dynamic_cast<CpuCache&>(base);
+    const int T = static_cast<int>(tokens.size());
+    if (T == 0) fail("forward: no tokens");
+    const int H = c_.hidden_size;
+    for (int t = 0; t < T; ++t)
+      if (tokens[t] < 0 || tokens[t] >= c_.vocab_size)
+        fail("token id ", tokens[t], " is outside the vocabulary [0, ", c_.vocab_size, ")");
+
+    std::vector<float> x(static_cast<size_t>(T) * H), xn(x.size()), y(x.size());
+    for (int t = 0; t < T; ++t) cpu::dequantize_row(w_->embed, tokens[t], &x[t * H]);
+
+    for (int l = 0; l < c_.num_layers; ++l) {
+      const LayerWeights& L = w_->layers[l];
+      norm_rows(x.data(), L.input_norm.data(), T, xn.data());
+      if (L.kind == LayerKind::FullAttention)
+        attention_block(L.attn, cache.layers[l], cache.n_past(), xn.data(), T, y.data());
+      else
+        deltanet_block(L.deltanet, cache.layers[l], xn.data(), T, y.data());
+      for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+      norm_rows(x.data(), L.post_norm.data(), T, xn.data());
+      if (L.is_moe) moe_block(L.moe, xn.data(), T, y.data());
+      else mlp_block(L.mlp, xn.data(), T, y.data());
+      for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
+    }
+    cache.advance(T);
+
+    const int first = mode == LogitsMode::All ? 0 : T - 1;
+    const int rows = T - first;
+    norm_rows(&x[static_cast<size_t>(first) * H], w_->final_norm.data(), rows, xn.data());
+    matmul(pool_, w_->lm_head, xn.data(), rows, H, logits, c_.vocab_size);
+  }
+
+ private:
+  void norm_rows(const float* x, const float* w, int T, float* out) {
+    const int H = c_.hidden_size;
+    for (int t = 0; t < T; ++t) cpu::rms_norm(x + t * H, w, H, c_.rms_norm_eps, out + t * H);
+  }
+
+  void attention_block(const AttentionWeights& A, CpuCache::Layer& cache, int n_past,
+                       const float* xn, int T, float* out) {
+    const int H = c_.hidden_size, hd = c_.head_dim, nh = c_.num_heads, nkv = c_.num_kv_heads;
+    const int q_head = hd * (c_.attn_output_gate ? 2 : 1);  // query (+ gate) per head
+    const int q_dim = nh * q_head, kv_dim = nkv * hd;
+    std::vector<float> q(static_cast<size_t>(T) * q_dim), k(static_cast<size_t>(T) * kv_dim),
+        v(k.size()), o(static_cast<size_t>(T) * nh * hd);
+    matmul(pool_, A.q, xn, T, H, q.data(), q_dim);
+    matmul(pool_, A.k, xn, T, H, k.data(), kv_dim);
+    matmul(pool_, A.v, xn, T, H, v.data(), kv_dim);
+    for (int t = 0; t < T; ++t) {
+      const int pos = n_past + t;
+      for (int h = 0; h < nh; ++h) {
+        float* qh = &q[t * q_dim + h * q_head];
+        cpu::rms_norm(qh, A.q_norm.data(), hd, c_.rms_norm_eps, qh);
+        cpu::rope_neox(qh, c_.rotary_dim, pos, c_.rope_theta);
+      }
+      for (int h = 0; h < nkv; ++h) {
+        float* kh = &k[t * kv_dim + h * hd];
+        cpu::rms_norm(kh, A.k_norm.data(), hd, c_.rms_norm_eps, kh);
+        cpu::rope_neox(kh, c_.rotary_dim, pos, c_.rope_theta);
+      }
+    }
+    cache.k.insert(cache.k.end(), k.begin(), k.end());
+    cache.v.insert(cache.v.end(), v.begin(), v.end());
+    cpu::AttentionIO io{q.data(), static_cast<size_t>(q_dim), static_cast<size_t>(q_head),
+                        cache.k.data(), cache.v.data(), o.data(), static_cast<size_t>(nh * hd),
+                        T, n_past, nh, nkv, hd};
+    cpu::attention(pool_, io);
+    if (c_.attn_output_gate) {
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < nh; ++h)
+          for (int i = 0; i < hd; ++i)
+            o[(t * nh + h) * hd + i] *= cpu::sigmoid(q[t * q_dim + h * q_head + hd + i]);
+    }
+    matmul(pool_, A.o, o.data(), T, nh * hd, out, H);
+  }
+
+  void deltanet_block(const DeltaNetWeights& D, CpuCache::Layer& cache, const float* xn, int T,
+                      float* out) {
+    const int H = c_.hidden_size, C = c_.deltanet_qkv_dim(), K = c_.linear_conv_kernel;
+    const int nk = c_.linear_num_key_heads, nv = c_.linear_num_value_heads;
+    const int dk = c_.linear_key_head_dim, dv = c_.linear_value_head_dim;
+    const int vdim = nv * dv;
+    std::vector<float> qkv(static_cast<size_t>(T) * C), z(static_cast<size_t>(T) * vdim),
+        b(static_cast<size_t>(T) * nv), a(b.size()), conv(qkv.size()), o(z.size());
+    matmul(pool_, D.in_qkv, xn, T, H, qkv.data(), C);
+    matmul(pool_, D.in_z, xn, T, H, z.data(), vdim);
+    matmul(pool_, D.in_b, xn, T, H, b.data(), nv);
+    matmul(pool_, D.in_a, xn, T, H, a.data(), nv);
+
+    // Causal depthwise conv over [carried K-1 inputs | this run], then SiLU;
+    // the last K-1 inputs become the carried state.
+    const int keep = K - 1;
+    pool_.parallel_for(C, 64, [&](size_t c0, size_t c1) {
+      std::vector<float> window(keep + T);
+      for (size_t ch = c0; ch < c1; ++ch) {
+        float* st = &cache.conv[ch * keep];
+        for (int j = 0; j < keep; ++j) window[j] = st[j];
+        for (int t = 0; t < T; ++t) window[keep + t] = qkv[t * C + ch];
+        const float* w = &D.conv[ch * K];
+        for (int t = 0; t < T; ++t) {
+          float s = 0;
+          for (int j = 0; j < K; ++j) s += w[j] * window[t + j];
+          conv[t * C + ch] = cpu::silu(s);
+        }
+        for (int j = 0; j < keep; ++j) st[j] = window[T + j];
+      }
+    });
+
+    // L2-normalise q and k per head (q also scaled by 1/sqrt(dk)); gates.
+    const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+    for (int t = 0; t < T; ++t) {
+      for (int h = 0; h < 2 * nk; ++h) {
+        float* p = &conv[t * C + h * dk];
+        float ss = 0;
+        for (int i = 0; i < dk; ++i) ss += p[i] * p[i];
+        float inv = 1.f / std::sqrt(ss + 1e-6f);
+        if (h < nk) inv *= q_scale;
+        for (int i = 0; i < dk; ++i) p[i] *= inv;
+      }
+      for (int h = 0; h < nv; ++h) {
+        float& bb = b[t * nv + h];
+        float& aa = a[t * nv + h];
+        bb = cpu::sigmoid(bb);                                               // beta
+        aa = -std::exp(D.a_log[h]) * cpu::softplus(aa + D.dt_bias[h]);       // g (log decay)
+      }
+    }
+
+    const int ratio = nv / nk;
+    pool_.parallel_for(nv, 1, [&](size_t h0, size_t h1) {
+      for (size_t h = h0; h < h1; ++h) {
+        const int kh = static_cast<int>(h) / ratio;
+        cpu::DeltaNetHeadIO io{&conv[kh * dk], static_cast<size_t>(C),
+                               &conv[nk * dk + kh * dk], static_cast<size_t>(C),
+                               &conv[2 * nk * dk + h * dv], static_cast<size_t>(C),
+                               &a[h], &b[h], static_cast<size_t>(nv),
+                               &o[h * dv], static_cast<size_t>(vdim),
+                               T, dk, dv};
+        float* state = &cache.state[h * dk * dv];
+        if (T == 1) cpu::deltanet_recurrent(io, state);
+        else cpu::deltanet_chunked(io, state, 64);
+      }
+    });
+
+    // Gated RMSNorm per head: norm(o) * w * silu(z).
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < nv; ++h) {
+        float* oh = &o[t * vdim + h * dv];
+        const float* zh = &z[t * vdim + h * dv];
+        cpu::rms_norm(oh, D.norm.data(), dv, c_.rms_norm_eps, oh);
+        for (int i = 0; i < dv; ++i) oh[i] *= cpu::silu(zh[i]);
+      }
+    matmul(pool_, D.out, o.data(), T, vdim, out, H);
+  }
+
+  // down(silu(gate(x)) * up(x)) for T rows.
+  void swiglu(const MlpWeights& m, const float* x, int T, float* out) {
+    const int H = c_.hidden_size, I = m.gate.rows;
+    std::vector<float> g(static_cast<size_t>(T) * I), u(g.size());
+    matmul(pool_, m.gate, x, T, H, g.data(), I);
+    matmul(pool_, m.up, x, T, H, u.data(), I);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = cpu::silu(g[i]) * u[i];
+    matmul(pool_, m.down, g.data(), T, I, out, H);
+  }
+
+  void mlp_block(const MlpWeights& m, const float* xn, int T, float* out) { swiglu(m, xn, T, out); }
+
+  void moe_block(const MoeWeights& M, const float* xn, int T, float* out) {
+    const int H = c_.hidden_size, E = c_.num_experts, k = c_.num_experts_per_tok;
+    std::vector<float> logits(static_cast<size_t>(T) * E);
+    matmul(pool_, M.router, xn, T, H, logits.data(), E);
+    // Route: softmax over all experts, top-k, optional renormalisation.
+    std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (token, weight)
+    std::vector<int> idx(E);
+    for (int t = 0; t < T; ++t) {
+      float* p = &logits[t * E];
+      const float mx = *std::max_element(p, p + E);
+      float sum = 0;
+      for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
+      for (int e = 0; e < E; ++e) p[e] /= sum;
+      std::iota(idx.begin(), idx.end(), 0);
+      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
+        return p[a] > p[b] || (p[a] == p[b] && a < b);
+      });
+      float top = 0;
+      for (int j = 0; j < k; ++j) top += p[idx[j]];
+      for (int j = 0; j < k; ++j)
+        by_expert[idx[j]].push_back({t, c_.norm_topk_prob ? p[idx[j]] / top : p[idx[j]]});
+    }
+    std::fill(out, out + static_cast<size_t>(T) * H, 0.f);
+    std::vector<float> xe, ye;
+    for (int e = 0; e < E; ++e) {
+      const auto& routed = by_expert[e];
+      if (routed.empty()) continue;
+      const int n = static_cast<int>(routed.size());
+      xe.resize(static_cast<size_t>(n) * H);
+      ye.resize(xe.size());
+      for (int i = 0; i < n; ++i) std::copy_n(xn + routed[i].first * H, H, &xe[i * H]);
+      swiglu(M.experts[e], xe.data(), n, ye.data());
+      for (int i = 0; i < n; ++i) {
+        float* o = out + routed[i].first * H;
+        const float w = routed[i].second;
+        for (int j = 0; j < H; ++j) o[j] += w * ye[i * H + j];
+      }
+    }
+    if (M.has_shared) {
+      std::vector<float> ys(static_cast<size_t>(T) * H), gate(T);
+      swiglu(M.shared, xn, T, ys.data());
+      matmul(pool_, M.shared_gate, xn, T, H, gate.data(), 1);
+      for (int t = 0; t < T; ++t) {
+        const float s = cpu::sigmoid(gate[t]);
+        for (int j = 0; j < H; ++j) out[t * H + j] += s * ys[t * H + j];
+      }
+    }
+  }
+
+  std::unique_ptr<ModelWeights> w_;
+  const ModelConfig& c_;
+  ThreadPool pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(std::unique_ptr<ModelWeights> weights, int threads) {
+  return std::make_unique<CpuBackend>(std::move(weights), threads);
+}
+
+}  // namespace lily

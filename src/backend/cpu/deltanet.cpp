@@ -1,0 +1,129 @@
+// Gated DeltaNet for one value head: the recurrent form (decode) and the
+// chunked form (prefill). State S is [dk][dv] f32:
+//   S = S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S += k_t delta^T;
+//   o_t = S^T q_t
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+
+namespace lily::cpu {
+
+void deltanet_recurrent(const DeltaNetHeadIO& io, float* S) {
+  const int dk = io.dk, dv = io.dv;
+  std::vector<float> delta(dv);
+  for (int t = 0; t < io.T; ++t) {
+    const float* q = io.q + t * io.q_stride;
+    const float* k = io.k + t * io.k_stride;
+    const float* v = io.v + t * io.v_stride;
+    const float decay = std::exp(io.g[t * io.gb_stride]);
+    const float beta = io.beta[t * io.gb_stride];
+    for (int i = 0; i < dk * dv; ++i) S[i] *= decay;
+    for (int j = 0; j < dv; ++j) delta[j] = 0;
+    for (int i = 0; i < dk; ++i)
+      for (int j = 0; j < dv; ++j) delta[j] += S[i * dv + j] * k[i];
+    for (int j = 0; j < dv; ++j) delta[j] = (v[j] - delta[j]) * beta;
+    for (int i = 0; i < dk; ++i)
+      for (int j = 0; j < dv; ++j) S[i * dv + j] += k[i] * delta[j];
+    float* o = io.out + t * io.out_stride;
+    for (int j = 0; j < dv; ++j) o[j] = 0;
+    for (int i = 0; i < dk; ++i)
+      for (int j = 0; j < dv; ++j) o[j] += S[i * dv + j] * q[i];
+  }
+}
+
+// Per chunk of L tokens with in-chunk cumulative log-decay c_i:
+//   A_ij = -(beta_i k_i . k_j) exp(c_i - c_j) for j < i; T = (I - A')^-1 by
+//   forward substitution (T is unit lower triangular);
+//   U = T (beta v);  W = T (beta k exp(c));
+//   v_new = U - W S;  o_i = exp(c_i) q_i S + sum_{j<=i} (q_i . k_j) exp(c_i - c_j) v_new_j;
+//   S = exp(c_L) S + sum_j exp(c_L - c_j) k_j v_new_j^T.
+void deltanet_chunked(const DeltaNetHeadIO& io, float* S, int chunk_size) {
+  const int dk = io.dk, dv = io.dv;
+  std::vector<float> c(chunk_size), A(chunk_size * chunk_size), U(chunk_size * dv),
+      W(chunk_size * dk), KB(chunk_size * dk), WS(chunk_size * dv);
+  for (int t0 = 0; t0 < io.T; t0 += chunk_size) {
+    const int L = std::min(chunk_size, io.T - t0);
+    auto q = [&](int i) { return io.q + (t0 + i) * io.q_stride; };
+    auto k = [&](int i) { return io.k + (t0 + i) * io.k_stride; };
+    auto v = [&](int i) { return io.v + (t0 + i) * io.v_stride; };
+    auto beta = [&](int i) { return io.beta[(t0 + i) * io.gb_stride]; };
+    float acc = 0;
+    for (int i = 0; i < L; ++i) {
+      acc += io.g[(t0 + i) * io.gb_stride];
+      c[i] = acc;
+    }
+    // Strictly lower A, then the substitution row by row: rows above i are
+    // already final when row i is updated.
+    for (int i = 0; i < L; ++i) {
+      for (int j = 0; j < L; ++j) A[i * L + j] = 0;
+      for (int j = 0; j < i; ++j) {
+        float d = 0;
+        for (int x = 0; x < dk; ++x) d += k(i)[x] * k(j)[x];
+        A[i * L + j] = -beta(i) * d * std::exp(c[i] - c[j]);
+      }
+    }
+    for (int i = 1; i < L; ++i) {
+      // new_row[j] = row[j] + sum_{j<m<i} row[m] * A[m][j], with row the
+      // original row i.
+      std::vector<float> row(A.begin() + i * L, A.begin() + i * L + i);
+      for (int j = 0; j < i; ++j) {
+        float s = row[j];
+        for (int m = j + 1; m < i; ++m) s += row[m] * A[m * L + j];
+        A[i * L + j] = s;
+      }
+    }
+    // U = T (beta v), W = T (beta k exp(c)); T = A + I.
+    for (int i = 0; i < L; ++i) {
+      for (int x = 0; x < dk; ++x) KB[i * dk + x] = beta(i) * k(i)[x] * std::exp(c[i]);
+      for (int y = 0; y < dv; ++y) U[i * dv + y] = beta(i) * v(i)[y];
+      for (int x = 0; x < dk; ++x) W[i * dk + x] = KB[i * dk + x];
+    }
+    for (int i = L - 1; i >= 1; --i) {  // in place from the bottom: rows j < i unchanged yet
+      for (int j = 0; j < i; ++j) {
+        const float a = A[i * L + j];
+        if (a == 0) continue;
+        for (int y = 0; y < dv; ++y) U[i * dv + y] += a * beta(j) * v(j)[y];
+        for (int x = 0; x < dk; ++x) W[i * dk + x] += a * KB[j * dk + x];
+      }
+    }
+    // v_new = U - W S
+    for (int i = 0; i < L; ++i) {
+      for (int y = 0; y < dv; ++y) WS[i * dv + y] = 0;
+      for (int x = 0; x < dk; ++x) {
+        const float w = W[i * dk + x];
+        for (int y = 0; y < dv; ++y) WS[i * dv + y] += w * S[x * dv + y];
+      }
+      for (int y = 0; y < dv; ++y) U[i * dv + y] -= WS[i * dv + y];
+    }
+    // Outputs.
+    for (int i = 0; i < L; ++i) {
+      float* o = io.out + (t0 + i) * io.out_stride;
+      const float ei = std::exp(c[i]);
+      for (int y = 0; y < dv; ++y) o[y] = 0;
+      for (int x = 0; x < dk; ++x) {
+        const float qx = q(i)[x] * ei;
+        for (int y = 0; y < dv; ++y) o[y] += qx * S[x * dv + y];
+      }
+      for (int j = 0; j <= i; ++j) {
+        float d = 0;
+        for (int x = 0; x < dk; ++x) d += q(i)[x] * k(j)[x];
+        d *= std::exp(c[i] - c[j]);
+        for (int y = 0; y < dv; ++y) o[y] += d * U[j * dv + y];
+      }
+    }
+    // Carry the state.
+    const float eL = std::exp(c[L - 1]);
+    for (int i = 0; i < dk * dv; ++i) S[i] *= eL;
+    for (int j = 0; j < L; ++j) {
+      const float f = std::exp(c[L - 1] - c[j]);
+      for (int x = 0; x < dk; ++x) {
+        const float kx = k(j)[x] * f;
+        for (int y = 0; y < dv; ++y) S[x * dv + y] += kx * U[j * dv + y];
+      }
+    }
+  }
+}
+
+}  // namespace lily::cpu

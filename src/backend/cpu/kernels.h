@@ -1,0 +1,46 @@
+// CPU kernels: f32 activations, weights read in their stored format and
+// dequantized in registers / a per-thread row buffer. Each is tested against
+// a plain reference on random, odd-sized inputs (tests/cpu_kernels_test.cpp).
+#pragma once
+
+#include <cstddef>
+
+#include "core/thread_pool.h"
+#include "model/weights.h"
+
+namespace lily::cpu {
+
+// out[c] = W[r][c] as f32, for one row.
+void dequantize_row(const Matrix& w, int row, float* out);
+
+// y[t * y_stride + r] = sum_c W[r][c] * x[t * x_stride + c] for t < T.
+// Each weight row is expanded once and reused across the T input rows.
+void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
+            size_t y_stride);
+
+// y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
+void rms_norm(const float* x, const float* weight, int n, float eps, float* y);
+
+// NeoX ("rotate half") RoPE on the first rotary_dim values of one head.
+void rope_neox(float* head, int rotary_dim, int position, float theta);
+
+float silu(float x);
+float sigmoid(float x);
+float softplus(float x);  // torch semantics: x for x > 20
+
+// Gated DeltaNet over one value head. q, k: [T][dk] (q already scaled and
+// both L2-normalised), v: [T][dv], g (log-decay) and beta: [T]; state:
+// [dk][dv], updated in place; out: [T][dv]. Strides in floats between tokens.
+struct DeltaNetHeadIO {
+  const float* q; size_t q_stride;
+  const float* k; size_t k_stride;
+  const float* v; size_t v_stride;
+  const float* g; const float* beta; size_t gb_stride;
+  float* out; size_t out_stride;
+  int T, dk, dv;
+};
+void deltanet_recurrent(const DeltaNetHeadIO& io, float* state);
+// Chunked (WY) form, chunk_size tokens per block; equal to the recurrent form.
+void deltanet_chunked(const DeltaNetHeadIO& io, float* state, int chunk_size = 64);
+
+}  // namespace lily::cpu

@@ -1,0 +1,45 @@
+// lily: one binary, one subcommand per job.
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace {
+
+const char kUsage[] =
+    "usage: lily <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  logits    --model DIR --tokens 1,2,3 [--prefill N]   logits at every position (JSON)\n"
+    "  generate  --model DIR --tokens 1,2,3 --max-tokens K  greedy continuation (JSON)\n"
+    "  info      --model DIR                                 architecture, parameters, storage\n"
+    "\n"
+    "common options: --backend cpu, --threads N\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
+      !std::strcmp(argv[1], "help")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  try {
+    using namespace lily::cli;
+    if (cmd == "logits") return cmd_logits(argc - 2, argv + 2);
+    if (cmd == "generate") return cmd_generate(argc - 2, argv + 2);
+    if (cmd == "info") return cmd_info(argc - 2, argv + 2);
+    std::fprintf(stderr, "lily: unknown command '%s' (try lily --help)\n", cmd.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    for (char& c : msg)
+      if (c == '\n') c = ' ';
+    std::fprintf(stderr, "lily %s: error: %s\n", cmd.c_str(), msg.c_str());
+    return 1;
+  }
+}

@@ -1,0 +1,61 @@
+#include "engine/sequence.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace lily {
+
+Sequence::Sequence(Backend& backend, int max_positions)
+    : backend_(backend), max_positions_(max_positions), cache_(backend.new_cache(max_positions)) {
+  if (max_positions <= 0) fail("context size must be positive (got ", max_positions, ")");
+}
+
+std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode) {
+  if (tokens.empty()) fail("append: no tokens");
+  if (size() + static_cast<long>(tokens.size()) > max_positions_)
+    fail("sequence of ", size() + tokens.size(), " tokens exceeds the context limit of ",
+         max_positions_);
+  const int V = backend_.config().vocab_size;
+  for (int t : tokens)
+    if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
+  const size_t rows = mode == LogitsMode::All ? tokens.size() : 1;
+  std::vector<float> logits(rows * V);
+  backend_.forward(*cache_, tokens, mode, logits.data());
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  return logits;
+}
+
+Sequence::Snapshot Sequence::snapshot() const { return {tokens_, cache_->clone()}; }
+
+void Sequence::restore(const Snapshot& s) {
+  tokens_ = s.tokens;
+  cache_ = s.cache->clone();
+}
+
+void Sequence::reset() {
+  tokens_.clear();
+  cache_ = backend_.new_cache(max_positions_);
+}
+
+int argmax(std::span<const float> logits) {
+  return static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+std::vector<int> generate_greedy(Sequence& seq, std::span<const int> prompt, int max_new,
+                                 std::span<const int> stop_ids) {
+  std::vector<int> out;
+  if (max_new <= 0) return out;
+  std::vector<float> logits = seq.append(prompt);
+  for (;;) {
+    int next = argmax(logits);
+    out.push_back(next);
+    if (static_cast<int>(out.size()) >= max_new ||
+        std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end())
+      break;
+    logits = seq.append(std::span<const int>(&next, 1));
+  }
+  return out;
+}
+
+}  // namespace lily

@@ -1,0 +1,51 @@
+// One sequence's state as the engine owns it: the tokens it holds and the
+// backend cache for them (KV for attention layers, recurrent + conv state for
+// DeltaNet layers). Snapshots are deep copies: DeltaNet state cannot be
+// truncated the way a KV cache can, so rolling back means restoring one.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace lily {
+
+class Sequence {
+ public:
+  // max_positions: the context limit; appending past it is refused.
+  Sequence(Backend& backend, int max_positions);
+
+  int size() const { return static_cast<int>(tokens_.size()); }
+  int max_positions() const { return max_positions_; }
+  const std::vector<int>& tokens() const { return tokens_; }
+
+  // Runs `tokens` through the model in one forward (prefill path for n > 1,
+  // decode path for n == 1) and returns the logits (n rows for All, else the
+  // last row only).
+  std::vector<float> append(std::span<const int> tokens, LogitsMode mode = LogitsMode::LastOnly);
+
+  struct Snapshot {
+    std::vector<int> tokens;
+    std::unique_ptr<SequenceCache> cache;
+  };
+  Snapshot snapshot() const;
+  void restore(const Snapshot& s);
+  void reset();
+
+ private:
+  Backend& backend_;
+  int max_positions_;
+  std::vector<int> tokens_;
+  std::unique_ptr<SequenceCache> cache_;
+};
+
+// Greedy continuation of `prompt` (argmax, ties to the lowest id); stops after
+// max_new tokens or at an id in `stop_ids`, which is included in the output.
+std::vector<int> generate_greedy(Sequence& seq, std::span<const int> prompt, int max_new,
+                                 std::span<const int> stop_ids);
+
+int argmax(std::span<const float> logits);
+
+}  // namespace lily

@@ -1,0 +1,173 @@
+// End-to-end CPU forward against the transformers reference logits, for
+// every architecture and checkpoint layout, through the prefill path, the
+// decode path and mixes of the two.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <map>
+#include <string>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "engine/sequence.h"
+#include "fixture_util.h"
+
+namespace lily {
+namespace {
+
+using test::fixture_dir;
+using test::load_reference;
+
+struct ModelCase {
+  std::string fixture;
+};
+
+// One backend per fixture for the whole suite: loading is cheap but not free.
+Backend& backend_for(const std::string& fixture) {
+  static std::map<std::string, std::unique_ptr<Backend>> cache;
+  auto& b = cache[fixture];
+  if (!b) b = make_backend(load_model(fixture_dir(fixture)), BackendOptions{});
+  return *b;
+}
+
+float max_abs(const float* p, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(p[i]));
+  return m;
+}
+
+// Row-wise check: |got - want| <= 1e-4 * max|want| over the row.
+void expect_rows_close(const float* got, const float* want, int rows, int V,
+                       const std::string& what) {
+  for (int r = 0; r < rows; ++r) {
+    const float* g = got + static_cast<size_t>(r) * V;
+    const float* w = want + static_cast<size_t>(r) * V;
+    const float tol = 1e-4f * max_abs(w, V);
+    float worst = 0;
+    int at = 0;
+    for (int i = 0; i < V; ++i) {
+      float d = std::fabs(g[i] - w[i]);
+      if (!(d <= worst)) {
+        worst = d;
+        at = i;
+      }
+    }
+    ASSERT_LE(worst, tol) << what << ": row " << r << " logit " << at << " got " << g[at]
+                          << " want " << w[at];
+  }
+}
+
+class ModelFixture : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(ModelFixture, PrefillLogitsMatchReference) {
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Backend& b = backend_for(fixture);
+  ASSERT_EQ(b.config().vocab_size, ref.vocab);
+  Sequence seq(b, 4096);
+  auto logits = seq.append(ref.prompt, LogitsMode::All);
+  expect_rows_close(logits.data(), ref.prefill_logits.data(), static_cast<int>(ref.prompt.size()),
+                    ref.vocab, fixture + "/" + which + " prefill");
+}
+
+TEST_P(ModelFixture, DecodeLogitsMatchReference) {
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Backend& b = backend_for(fixture);
+  Sequence seq(b, 4096);
+  auto logits = seq.append(ref.prompt);
+  // Teacher-forced decode over the reference continuation.
+  for (size_t i = 0; i < ref.generated.size(); ++i) {
+    expect_rows_close(logits.data(), &ref.decode_logits[i * ref.vocab], 1, ref.vocab,
+                      fixture + "/" + which + " decode step " + std::to_string(i));
+    logits = seq.append(std::span<const int>(&ref.generated[i], 1));
+  }
+}
+
+TEST_P(ModelFixture, GreedyTokensMatchReference) {
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Backend& b = backend_for(fixture);
+  Sequence seq(b, 4096);
+  auto out = generate_greedy(seq, ref.prompt, static_cast<int>(ref.generated.size()), {});
+  EXPECT_EQ(out, ref.generated);
+}
+
+// Prefill of the first n tokens, then one token at a time: every position's
+// logits equal the one-shot prefill reference. Splits inside the first
+// DeltaNet chunk, on and across chunk boundaries.
+TEST_P(ModelFixture, PrefillThenDecodeMatchesFullPrefill) {
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Backend& b = backend_for(fixture);
+  const int T = static_cast<int>(ref.prompt.size());
+  for (int n : {1, 5, 63, 64, 65, 100, 128, 129}) {
+    if (n >= T) continue;
+    Sequence seq(b, 4096);
+    auto first = seq.append(std::span<const int>(ref.prompt.data(), n), LogitsMode::All);
+    expect_rows_close(first.data(), ref.prefill_logits.data(), n, ref.vocab,
+                      fixture + "/" + which + " prefill " + std::to_string(n));
+    // Decode at most 12 more steps to keep the test quick.
+    for (int i = n; i < std::min(T, n + 12); ++i) {
+      auto row = seq.append(std::span<const int>(&ref.prompt[i], 1));
+      expect_rows_close(row.data(), &ref.prefill_logits[static_cast<size_t>(i) * ref.vocab], 1,
+                        ref.vocab, fixture + "/" + which + " decode at " + std::to_string(i));
+    }
+  }
+}
+
+// Prefill in two runs (the second carries KV, DeltaNet and conv state).
+TEST_P(ModelFixture, SplitPrefillMatchesFullPrefill) {
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Backend& b = backend_for(fixture);
+  const int T = static_cast<int>(ref.prompt.size());
+  for (int n : {2, 3, 30, 64, 70, 127}) {
+    if (n >= T - 1) continue;
+    Sequence seq(b, 4096);
+    seq.append(std::span<const int>(ref.prompt.data(), n), LogitsMode::All);
+    auto rest = seq.append(std::span<const int>(ref.prompt.data() + n, T - n), LogitsMode::All);
+    expect_rows_close(rest.data(), &ref.prefill_logits[static_cast<size_t>(n) * ref.vocab], T - n,
+                      ref.vocab, fixture + "/" + which + " split at " + std::to_string(n));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, ModelFixture,
+    ::testing::Combine(::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+                                         "qwen3_5_moe-vl", "qwen3_5_moe-mlx4"),
+                       ::testing::Values("short", "long")),
+    [](const auto& info) {
+      std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
+      std::replace(n.begin(), n.end(), '-', '_');
+      return n;
+    });
+
+TEST(Sequence, SnapshotRestoreReproducesLogits) {
+  auto ref = load_reference("qwen3_5_moe", "long");
+  Backend& b = backend_for("qwen3_5_moe");
+  Sequence seq(b, 4096);
+  seq.append(std::span<const int>(ref.prompt.data(), 40));
+  auto snap = seq.snapshot();
+  auto a = seq.append(std::span<const int>(ref.prompt.data() + 40, 3));
+  seq.restore(snap);
+  EXPECT_EQ(seq.size(), 40);
+  auto c = seq.append(std::span<const int>(ref.prompt.data() + 40, 3));
+  EXPECT_EQ(a, c);
+}
+
+TEST(Sequence, RefusesContextOverflowAndBadTokens) {
+  Backend& b = backend_for("qwen3");
+  Sequence seq(b, 4);
+  std::vector<int> five = {1, 2, 3, 4, 5};
+  EXPECT_THROW(seq.append(five), Error);
+  EXPECT_EQ(seq.size(), 0);
+  std::vector<int> bad = {1, 5000};
+  EXPECT_THROW(seq.append(bad), Error);
+  EXPECT_EQ(seq.size(), 0);
+}
+
+}  // namespace
+}  // namespace lily
