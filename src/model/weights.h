@@ -82,7 +82,10 @@ struct ModelWeights {
   ModelConfig config;
   std::string dir;
   std::string layout;  // "hf", "hf-multimodal", "mlx"
-  std::unique_ptr<Checkpoint> checkpoint;  // owns the mappings
+  std::unique_ptr<Checkpoint> checkpoint;  // owns the mappings (null for synthetic models)
+  // Memory that matrices point into when they do not come from a checkpoint
+  // (synthetic benchmark models, converted layouts).
+  std::vector<std::vector<uint8_t>> owned_buffers;
   Matrix embed, lm_head;
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
