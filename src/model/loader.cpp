@@ -135,7 +135,9 @@ class Loader {
       s.insert(s.begin(), lead.begin(), lead.end());
       return s;
     };
-    const std::string wname = ck_.has(base + ".weight") ? base + ".weight" : base;
+    // Fused expert tensors carry no ".weight" suffix; everything else does.
+    const std::string wname =
+        (!ck_.has(base + ".weight") && ck_.has(base)) ? base : base + ".weight";
     const TensorView& wt = ck_.get(wname);
     Matrix m;
     m.name = base;

@@ -1,0 +1,101 @@
+// The command-line contract: JSON on stdout, exit code 0; on error one line
+// on stderr naming the cause and a non-zero exit code.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+
+#include "checkpoint_util.h"
+#include "fixture_util.h"
+
+namespace lily {
+namespace {
+
+struct CliRun {
+  int code;
+  std::string out, err;
+};
+
+CliRun run_lily(const std::string& args) {
+  test::TempModelDir tmp("qwen3");  // any scratch directory will do
+  const std::string out = tmp.file("stdout"), err = tmp.file("stderr");
+  std::string cmd = std::string(LILY_BINARY) + " " + args + " >" + out + " 2>" + err;
+  int status = std::system(cmd.c_str());
+  auto slurp = [](const std::string& p) {
+    std::ifstream in(p);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), slurp(out), slurp(err)};
+}
+
+std::string join(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+TEST(Cli, LogitsWithPrefillSplitMatchReference) {
+  auto ref = test::load_reference("qwen3_5_moe", "short");
+  CliRun r = run_lily("logits --model " + test::fixture_dir("qwen3_5_moe") + " --tokens " +
+                   join(ref.prompt) + " --prefill 4");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  const auto& rows = j.at("logits");
+  ASSERT_EQ(rows.size(), ref.prompt.size());
+  for (size_t t = 0; t < rows.size(); ++t) {
+    ASSERT_EQ(rows[t].size(), size_t(ref.vocab));
+    float mx = 0;
+    for (int i = 0; i < ref.vocab; ++i) mx = std::max(mx, std::fabs(ref.prefill_logits[t * ref.vocab + i]));
+    for (int i = 0; i < ref.vocab; ++i)
+      ASSERT_NEAR(rows[t][i].get<float>(), ref.prefill_logits[t * ref.vocab + i], 1e-4 * mx);
+  }
+}
+
+TEST(Cli, GenerateIsTheGreedyContinuation) {
+  auto ref = test::load_reference("qwen3_5_moe-mlx4", "short");
+  CliRun r = run_lily("generate --model " + test::fixture_dir("qwen3_5_moe-mlx4") + " --tokens " +
+                   join(ref.prompt) + " --max-tokens 10");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("tokens").get<std::vector<int>>(), ref.generated);
+}
+
+TEST(Cli, InfoDescribesTheModel) {
+  CliRun r = run_lily("info --model " + test::fixture_dir("qwen3_5_moe-vl"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["architecture"], "qwen3_5_moe");
+  EXPECT_EQ(j["layer_kinds"], "DDDA");
+  EXPECT_GT(j["skipped_tensors"].get<int>(), 0);  // the vision tower
+  EXPECT_TRUE(j["storage"].contains("bf16"));
+}
+
+void expect_one_line_error(const CliRun& r, const std::string& needle) {
+  EXPECT_NE(r.code, 0);
+  EXPECT_LT(r.code, 128) << "killed by a signal";
+  EXPECT_TRUE(r.out.empty()) << r.out;
+  ASSERT_FALSE(r.err.empty());
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+}
+
+TEST(Cli, ErrorsAreOneLineWithNonZeroExit) {
+  const std::string m = " --model " + test::fixture_dir("qwen3");
+  expect_one_line_error(run_lily("logits --model /nonexistent --tokens 1"), "/nonexistent/config.json");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1,x"), "--tokens: 'x'");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1,99999"), "token id 99999");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1,2 --prefill 3"), "--prefill");
+  expect_one_line_error(run_lily("logits" + m), "--tokens");
+  expect_one_line_error(run_lily("generate" + m + " --tokens 1 --max-tokens -1"), "--max-tokens");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1 --bogus 1"), "unknown option --bogus");
+  expect_one_line_error(run_lily("frobnicate"), "unknown command");
+}
+
+}  // namespace
+}  // namespace lily
