@@ -10,6 +10,9 @@
 #include "checkpoint_util.h"
 #include "core/error.h"
 #include "engine/sequence.h"
+#include "backend/cpu/kernels.h"
+#include "core/half.h"
+#include "model/quantize.h"
 #include "model/weights.h"
 
 namespace lily {
@@ -245,6 +248,75 @@ TEST(Loader, FusedExpertTensors) {
   }
   out.write(dir.file("model.safetensors"));
   expect_matches_reference(dir.path(), "qwen3_5_moe");
+}
+
+}  // namespace
+}  // namespace lily
+
+namespace lily {
+namespace {
+
+// Load-time q4 quantization of the bf16 checkpoint uses the same affine
+// scheme as the MLX fixture (min/max per group of 64, bf16 scale and bias
+// rounded before the codes are chosen, routers at 8 bits), so every matrix
+// must come out byte-identical to the MLX fixture's.
+TEST(Quantize, Q4OfBf16CheckpointIsByteIdenticalToMlx) {
+  auto w = load_model(test::fixture_dir("qwen3_5_moe"));
+  auto mlx = load_model(test::fixture_dir("qwen3_5_moe-mlx4"));
+  quantize_model(*w, parse_quantize_option("q4"));
+  auto same = [](const Matrix& a, const Matrix& b) {
+    ASSERT_EQ(a.format, b.format) << a.name;
+    ASSERT_EQ(a.rows, b.rows);
+    const size_t nb = a.row_bytes() * a.rows, ns = a.groups_per_row() * a.rows * 2;
+    EXPECT_EQ(std::memcmp(a.data, b.data, nb), 0) << a.name;
+    EXPECT_EQ(std::memcmp(a.scales, b.scales, ns), 0) << a.name;
+    EXPECT_EQ(std::memcmp(a.biases, b.biases, ns), 0) << a.name;
+  };
+  same(w->embed, mlx->embed);
+  same(w->lm_head, mlx->lm_head);
+  for (size_t l = 0; l < w->layers.size(); ++l) {
+    const auto &A = w->layers[l], &B = mlx->layers[l];
+    if (A.kind == LayerKind::DeltaNet) {
+      for (auto [x, y] : {std::pair{&A.deltanet.in_qkv, &B.deltanet.in_qkv},
+                          {&A.deltanet.in_z, &B.deltanet.in_z}, {&A.deltanet.in_a, &B.deltanet.in_a},
+                          {&A.deltanet.in_b, &B.deltanet.in_b}, {&A.deltanet.out, &B.deltanet.out}})
+        same(*x, *y);
+    } else {
+      for (auto [x, y] : {std::pair{&A.attn.q, &B.attn.q}, {&A.attn.k, &B.attn.k},
+                          {&A.attn.v, &B.attn.v}, {&A.attn.o, &B.attn.o}})
+        same(*x, *y);
+    }
+    same(A.moe.router, B.moe.router);
+    same(A.moe.shared_gate, B.moe.shared_gate);
+    same(A.moe.shared.down, B.moe.shared.down);
+    for (size_t e = 0; e < A.moe.experts.size(); ++e) {
+      same(A.moe.experts[e].gate, B.moe.experts[e].gate);
+      same(A.moe.experts[e].up, B.moe.experts[e].up);
+      same(A.moe.experts[e].down, B.moe.experts[e].down);
+    }
+  }
+}
+
+// q8: every weight within one quantization step of the original.
+TEST(Quantize, Q8WeightsWithinOneStep) {
+  auto w = load_model(test::fixture_dir("qwen3_5"));
+  auto orig = load_model(test::fixture_dir("qwen3_5"));
+  quantize_model(*w, parse_quantize_option("Q8"));
+  for (auto [q, o] : {std::pair{&w->layers[0].deltanet.in_qkv, &orig->layers[0].deltanet.in_qkv},
+                      {&w->layers[3].attn.o, &orig->layers[3].attn.o}, {&w->lm_head, &orig->lm_head}}) {
+    ASSERT_EQ(q->format, WeightFormat::Affine8);
+    std::vector<float> a(o->cols), b(o->cols);
+    for (int r = 0; r < o->rows; ++r) {
+      cpu::dequantize_row(*o, r, a.data());
+      cpu::dequantize_row(*q, r, b.data());
+      for (int c = 0; c < o->cols; ++c) {
+        uint16_t s;
+        std::memcpy(&s, q->scales + 2 * (size_t(r) * q->groups_per_row() + c / q->group_size), 2);
+        ASSERT_LE(std::fabs(a[c] - b[c]), bf16_to_f32(s) * 1.01f) << q->name << " " << r << "," << c;
+      }
+    }
+  }
+  EXPECT_THROW(parse_quantize_option("q3"), Error);
 }
 
 }  // namespace

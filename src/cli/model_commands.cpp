@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "engine/sequence.h"
+#include "model/quantize.h"
 
 namespace lily::cli {
 
@@ -20,7 +21,9 @@ std::unique_ptr<Backend> open_backend(const Args& a) {
   BackendOptions opt;
   opt.kind = a.str("--backend", "cpu");
   opt.threads = static_cast<int>(a.integer("--threads", 0, 0, 1024));
-  return make_backend(load_model(a.required("--model")), opt);
+  auto weights = load_model(a.required("--model"));
+  if (a.has("--quantize")) quantize_model(*weights, parse_quantize_option(a.str("--quantize")));
+  return make_backend(std::move(weights), opt);
 }
 
 // Prints one row of logits as a JSON array; %.9g round-trips an f32.
@@ -37,7 +40,7 @@ void print_row(std::FILE* f, const float* row, int n) {
 }  // namespace
 
 int cmd_logits(int argc, char** argv) {
-  Args a(argc, argv, {"--model", "--tokens", "--prefill", "--backend", "--threads"});
+  Args a(argc, argv, {"--model", "--tokens", "--prefill", "--backend", "--threads", "--quantize"});
   auto backend = open_backend(a);
   std::vector<int> tokens = parse_int_list(a.required("--tokens"), "--tokens");
   const long long n = static_cast<long long>(tokens.size());
@@ -60,7 +63,7 @@ int cmd_logits(int argc, char** argv) {
 }
 
 int cmd_generate(int argc, char** argv) {
-  Args a(argc, argv, {"--model", "--tokens", "--max-tokens", "--backend", "--threads"});
+  Args a(argc, argv, {"--model", "--tokens", "--max-tokens", "--backend", "--threads", "--quantize"});
   auto backend = open_backend(a);
   std::vector<int> prompt = parse_int_list(a.required("--tokens"), "--tokens");
   const int max_new = static_cast<int>(a.integer("--max-tokens", 16, 0, 1 << 20));
