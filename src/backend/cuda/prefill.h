@@ -1,0 +1,152 @@
+// Prefill (many-token) CUDA kernels: host-callable launchers over device
+// pointers. Plain C++: no CUDA headers needed to include this file.
+//
+// Conventions shared by every launcher:
+//  - bf16 tensors are passed as uint16_t* (raw bf16 bits), f32 as float*.
+//  - "ld" arguments are row strides in elements of the pointed-to type.
+//  - Every launcher only enqueues work on `stream` (no host synchronisation,
+//    no device-to-host reads), so a whole prefill step can be captured in a
+//    CUDA graph. Errors (bad sizes, launch failures) throw lily::Error naming
+//    the launcher or CUDA call.
+//
+// See docs/cuda-prefill.md for the kernels' design, measured speed and the
+// dispatch table (which kernel for how many rows).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+struct CUstream_st;
+typedef struct CUstream_st* cudaStream_t;
+
+namespace lily::cuda {
+
+// ---- weights -----------------------------------------------------------------
+enum class PrefillWeightFormat : int { BF16 = 0, Q4 = 1, Q8 = 2 };
+
+// A [rows x cols] matrix (rows = outputs N, cols = inputs K) in device memory,
+// or a stack of such matrices (MoE experts, [E][rows][cols]).
+//  BF16: w is bf16 [rows][cols], row-major.
+//  Q4/Q8 (MLX affine, group 64): w holds the MLX codes unchanged,
+//    [rows][cols * bits / 32] u32, codes low-bits-first; sb is [rows][cols / 64]
+//    u32 with the group's scale in the low 16 bits and its bias in the high 16
+//    bits (bf16, or f16 when sb_f16). This is the decode backend's upload
+//    layout for K % 64 == 0, so both paths share one copy of the weights.
+// cols must be a multiple of 64 for every format.
+struct PrefillWeight {
+  PrefillWeightFormat fmt = PrefillWeightFormat::BF16;
+  int rows = 0, cols = 0;
+  const void* w = nullptr;
+  const uint32_t* sb = nullptr;
+  bool sb_f16 = false;
+  // Stacks only: distance between consecutive experts' w (bytes) and sb (u32).
+  size_t expert_w_bytes = 0, expert_sb_words = 0;
+};
+
+// ---- dense GEMM: y[T][N] = x[T][K] . W^T --------------------------------------
+enum class PrefillOut : int {
+  F32 = 0,     // y (float) = result
+  F32Add = 1,  // y (float) += result (residual add)
+  BF16 = 2,    // y (bf16) = result
+};
+// x: bf16 [T][ldx]. Tensor cores (mma.sync bf16, f32 accumulation); quantized
+// weight tiles are dequantized into shared memory once per block and reused
+// across up to 128 token rows.
+void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
+                  size_t ldy, PrefillOut out, cudaStream_t stream);
+// h[T][N] (bf16) = silu(x . gate^T) * (x . up^T); gate and up both [N][K].
+void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
+                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream);
+
+// ---- routed MoE ----------------------------------------------------------------
+// Routing: softmax over E expert logits (f32), top-k (ties to the lower index),
+// optionally renormalised to sum 1. ids/weights: [T][k].
+void prefill_moe_route(const float* logits, size_t ld_logits, int T, int E, int k,
+                       bool norm_topk, int* ids, float* weights, cudaStream_t stream);
+
+struct PrefillMoeArgs {
+  int T = 0, E = 0, k = 0, hidden = 0, inter = 0;
+  const uint16_t* x = nullptr;  // bf16 [T][ldx] normed input
+  size_t ldx = 0;
+  const float* router_logits = nullptr;  // f32 [T][ld_logits], E per row
+  size_t ld_logits = 0;
+  bool norm_topk = true;
+  // Stacked experts: gate/up [E][inter][hidden], down [E][hidden][inter].
+  PrefillWeight gate, up, down;
+  // Optional shared expert, already computed: out += sigmoid(gate_logit[t]) * shared_out[t].
+  const float* shared_out = nullptr;  // f32 [T][ld_shared]
+  size_t ld_shared = 0;
+  const float* shared_gate_logit = nullptr;  // f32, element t at [t * ld_shared_gate]
+  size_t ld_shared_gate = 1;
+  float* out = nullptr;  // f32 [T][ldo]
+  size_t ldo = 0;
+  bool accumulate = false;  // out += moe(x) (else out = moe(x))
+  int tile_rows = 0;        // rows per grouped-GEMM tile: 64 or 128; 0 = by rows per expert
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter);
+// Whole routed block on the device: route, count per expert, prefix sums and
+// permutation, one grouped launch for gate/up (+SiLU*up), one for down, then a
+// per-token weighted gather-sum (deterministic). No host readback.
+void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream);
+
+// ---- Gated DeltaNet ------------------------------------------------------------
+struct PrefillDeltaNetArgs {
+  int T = 0;
+  int first_position = 0;  // tokens already in the sequence (P)
+  int nk = 16, nv = 32, dk = 128, dv = 128, conv_kernel = 4;  // dk = dv = 128, kernel 4 only
+  // Raw projections (f32): qkv [T][ld_qkv] with C = 2*nk*dk + nv*dv channels
+  // [all q | all k | all v]; a, b [T][ld_ab] with nv values each.
+  const float* qkv = nullptr;
+  size_t ld_qkv = 0;
+  const float* a = nullptr;
+  const float* b = nullptr;
+  size_t ld_ab = 0;
+  const float* conv_w = nullptr;  // [C][K]
+  float* conv_ring = nullptr;     // [C][K]: raw input of position p in slot p % K (updated)
+  const float* a_log = nullptr;   // [nv]
+  const float* dt_bias = nullptr; // [nv]
+  float* state = nullptr;         // [nv][dk][dv] f32 (updated)
+  float* out = nullptr;           // [T][ld_out]: nv*dv core outputs, before the gated norm
+  size_t ld_out = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+size_t prefill_deltanet_workspace_bytes(int T, int nk, int nv, int dk, int dv);
+// conv1d + SiLU with the carried ring, L2 norm of q/k (q also / sqrt(dk)),
+// beta/g gates, then the chunked (64) delta rule: a parallel pass per
+// (head, chunk) for the WY factors and a sequential pass per (head, 32-column
+// slice of the state) that carries S in f32.
+void prefill_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream);
+// Benchmarks only: the same, synchronising, with the time of each launch in ms
+// (0 conv/norm/gates, 1 conv ring update, 2 per-chunk pass, 3 state pass).
+void prefill_deltanet_timed(const PrefillDeltaNetArgs& a, cudaStream_t stream, float (&ms)[4]);
+
+// out (bf16) = rmsnorm(o_head) * w * silu(z) per head of `dim` values.
+void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t ld_z,
+                           const float* w, int T, int heads, int dim, float eps, uint16_t* out,
+                           size_t ld_out, cudaStream_t stream);
+// out (bf16) = x / rms(x) * w over rows of n values (the projections' input).
+void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, float eps,
+                     uint16_t* out, size_t ldo, cudaStream_t stream);
+
+// ---- causal flash attention (GQA, head_dim 256, sigmoid output gate) ------------
+struct PrefillAttentionArgs {
+  int T = 0, first_position = 0;  // queries are positions [P, P + T)
+  int nh = 16, nkv = 2, head_dim = 256;  // head_dim 256 only
+  // bf16, already normed and roped: element (t, h, d) at
+  // q[t * q_row_stride + h * q_head_stride + d]; gate (nullable) the same way.
+  const uint16_t* q = nullptr;
+  const uint16_t* gate = nullptr;
+  size_t q_row_stride = 0, q_head_stride = 0;
+  // bf16 caches [nkv][capacity][head_dim] holding positions [0, P + T).
+  const uint16_t* k_cache = nullptr;
+  const uint16_t* v_cache = nullptr;
+  int capacity = 0;
+  uint16_t* out = nullptr;  // bf16 [T][out_row_stride], head h at h * head_dim
+  size_t out_row_stride = 0;
+};
+void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream);
+
+}  // namespace lily::cuda

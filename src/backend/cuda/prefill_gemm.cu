@@ -1,0 +1,708 @@
+// Prefill GEMM on tensor cores with on-the-fly dequantization, and the routed
+// MoE block built on it (device routing, grouped launches, gather-sum).
+//
+// y[T][N] = x[T][K] . W^T with x bf16 and W bf16 or MLX affine 4/8-bit.
+// One block computes a BM x 128 tile of y (BM = 128 or 64 token rows) with 8
+// warps (2 along M x 4 along N, each a (BM/2) x 32 sub-tile of m16n8k16 bf16
+// MMAs, f32 accumulators). K advances 64 at a time (one quantization group):
+// a 3-stage cp.async pipeline brings the x tile and the raw weight tile
+// (codes + one scale/bias word per row) into shared memory; for quantized
+// weights all 256 threads then expand the 128 x 64 weight tile once into a
+// bf16 tile, which every warp of the block reads with ldmatrix. Shared tiles
+// are 128-byte rows with the 16-byte chunk index XOR-swizzled by (row & 7),
+// so ldmatrix and the 16-byte stores are free of bank conflicts.
+//
+// Grouped mode (MoE): blockIdx.x indexes a device-built tile list (expert,
+// first permuted row, row count); the x rows of a tile are gathered through a
+// permutation index while loading, and the expert's weights are found by
+// stride. SwiGLU mode: the block's 128 weight rows are 64 gate rows and the 64
+// matching up rows, and the epilogue writes silu(gate) * up as bf16.
+#include <algorithm>
+
+#include "backend/cuda/prefill_common.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+using namespace prefill_detail;
+
+constexpr int kBN = 128;  // weight rows per block tile
+constexpr int kBK = 64;   // = quantization group
+constexpr int kThreads = 256;
+constexpr int kStages = 3;
+
+enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
+
+struct GemmParams {
+  const uint16_t* x;
+  size_t ldx;
+  const int* a_rows;  // grouped: permuted position -> x row (null: identity)
+  int M;              // dense: number of rows
+  const uint8_t* w;
+  const uint32_t* sb;
+  const uint8_t* w2;  // SwiGLU: the up matrix
+  const uint32_t* sb2;
+  int sb_f16;
+  int N, K;
+  size_t expert_w_bytes, expert_sb_words;
+  const int* tile_expert;
+  const int* tile_row0;
+  const int* tile_rows;
+  const int* num_tiles;
+  void* y;
+  size_t ldy;
+  int out_kind;  // PrefillOut
+};
+
+template <int F>
+struct WTile {
+  // Bytes of one pipeline stage of the raw weight tile.
+  static constexpr int code_bytes_per_row = F == kBF16 ? 128 : F == kQ4 ? 32 : 64;
+  static constexpr int codes = kBN * code_bytes_per_row;
+  static constexpr int stage_bytes = codes + (F == kBF16 ? 0 : kBN * 4);
+};
+
+template <int F, int BM>
+constexpr size_t gemm_smem_bytes() {
+  return size_t(kStages) * BM * 128 + size_t(kStages) * WTile<F>::stage_bytes +
+         (F == kBF16 ? 0 : kBN * 128) + BM * sizeof(int);
+}
+
+__device__ __forceinline__ float code_f(uint32_t v, uint32_t sel) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
+}
+
+__device__ __forceinline__ float2 scale_bias(uint32_t sb, int f16) {
+  if (f16) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&sb);
+    return __half22float2(h);
+  }
+  return make_float2(bf16_lo(sb), bf16_hi(sb));
+}
+
+// Expand one stage of raw codes into the bf16 tile Wd (swizzled rows of 64).
+template <int F>
+__device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd, int sb_f16) {
+  const int tid = threadIdx.x;
+  const int r = tid >> 1, h = tid & 1;  // row, half of the 64 inputs
+  const uint32_t sbw = reinterpret_cast<const uint32_t*>(stage + WTile<F>::codes)[r];
+  const float2 s = scale_bias(sbw, sb_f16);
+  uint16_t* row = Wd + r * 64;
+  if constexpr (F == kQ4) {
+    const uint4 c = *reinterpret_cast<const uint4*>(stage + r * 32 + h * 16);
+    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
+      uint4 o;
+      o.x = pack_bf16x2(fmaf(code_f(lo, 0x7650), s.x, s.y), fmaf(code_f(hi, 0x7650), s.x, s.y));
+      o.y = pack_bf16x2(fmaf(code_f(lo, 0x7651), s.x, s.y), fmaf(code_f(hi, 0x7651), s.x, s.y));
+      o.z = pack_bf16x2(fmaf(code_f(lo, 0x7652), s.x, s.y), fmaf(code_f(hi, 0x7652), s.x, s.y));
+      o.w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
+      const int ch = h * 4 + i;
+      *reinterpret_cast<uint4*>(row + ((ch ^ (r & 7)) << 3)) = o;
+    }
+  } else {  // Q8
+    const uint4* src = reinterpret_cast<const uint4*>(stage + r * 64 + h * 32);
+    const uint4 c0 = src[0], c1 = src[1];
+    const uint32_t words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t a = words[2 * j], b = words[2 * j + 1];
+      uint4 o;
+      o.x = pack_bf16x2(fmaf(code_f(a, 0x7650), s.x, s.y), fmaf(code_f(a, 0x7651), s.x, s.y));
+      o.y = pack_bf16x2(fmaf(code_f(a, 0x7652), s.x, s.y), fmaf(code_f(a, 0x7653), s.x, s.y));
+      o.z = pack_bf16x2(fmaf(code_f(b, 0x7650), s.x, s.y), fmaf(code_f(b, 0x7651), s.x, s.y));
+      o.w = pack_bf16x2(fmaf(code_f(b, 0x7652), s.x, s.y), fmaf(code_f(b, 0x7653), s.x, s.y));
+      const int ch = h * 4 + j;
+      *reinterpret_cast<uint4*>(row + ((ch ^ (r & 7)) << 3)) = o;
+    }
+  }
+}
+
+template <int F, int BM, bool SWIGLU, bool GROUPED>
+__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
+  constexpr int WM = BM / 2;   // rows per warp
+  constexpr int MT = WM / 16;  // m16 tiles per warp
+  constexpr bool QUANT = F != kBF16;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint16_t* Xs = reinterpret_cast<uint16_t*>(smem);
+  uint8_t* Wst = smem + size_t(kStages) * BM * 128;
+  uint16_t* Wd = reinterpret_cast<uint16_t*>(Wst + size_t(kStages) * WTile<F>::stage_bytes);
+  int* s_arow = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(Wd) + (QUANT ? kBN * 128 : 0));
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+
+  int m0, rows_valid, expert = 0;
+  if constexpr (GROUPED) {
+    const int tile = blockIdx.x;
+    if (tile >= *p.num_tiles) return;
+    expert = p.tile_expert[tile];
+    m0 = p.tile_row0[tile];
+    rows_valid = p.tile_rows[tile];
+  } else {
+    m0 = blockIdx.x * BM;
+    rows_valid = min(BM, p.M - m0);
+  }
+  for (int r = tid; r < BM; r += kThreads)
+    s_arow[r] = r < rows_valid ? (p.a_rows ? p.a_rows[m0 + r] : m0 + r) : -1;
+
+  // Weight rows of this block: SwiGLU covers 64 outputs (gate rows then up rows).
+  const int nb0 = SWIGLU ? blockIdx.y * 64 : blockIdx.y * kBN;
+  const size_t row_bytes = F == kBF16 ? size_t(p.K) * 2 : F == kQ4 ? size_t(p.K) / 2 : size_t(p.K);
+  const int groups = p.K / 64;
+  const uint8_t* wb = p.w + size_t(expert) * p.expert_w_bytes;
+  const uint32_t* sbb = p.sb ? p.sb + size_t(expert) * p.expert_sb_words : nullptr;
+  const uint8_t* wb2 = SWIGLU ? p.w2 + size_t(expert) * p.expert_w_bytes : nullptr;
+  const uint32_t* sbb2 = (SWIGLU && p.sb2) ? p.sb2 + size_t(expert) * p.expert_sb_words : nullptr;
+  // Tile row r -> matrix row (or -1), and which matrix.
+  auto wrow = [&](int r, const uint8_t*& base, const uint32_t*& sbase) -> int {
+    int n;
+    if (SWIGLU) {
+      const bool up = r >= 64;
+      n = nb0 + (up ? r - 64 : r);
+      base = up ? wb2 : wb;
+      sbase = up ? sbb2 : sbb;
+    } else {
+      n = nb0 + r;
+      base = wb;
+      sbase = sbb;
+    }
+    return n < p.N ? n : -1;
+  };
+  __syncthreads();
+
+  const int KT = p.K / kBK;
+  auto load_stage = [&](int stage, int kt) {
+    const int k0 = kt * kBK;
+    uint16_t* xs = Xs + size_t(stage) * BM * 64;
+#pragma unroll
+    for (int i = 0; i < BM / 32; ++i) {
+      const int r = (tid >> 3) + 32 * i, c = tid & 7;
+      const int src_row = s_arow[r];
+      const uint16_t* src = p.x + (src_row >= 0 ? size_t(src_row) * p.ldx + k0 + c * 8 : 0);
+      cp_async16(xs + r * 64 + ((c ^ (r & 7)) << 3), src, src_row >= 0 ? 16 : 0);
+    }
+    uint8_t* ws = Wst + size_t(stage) * WTile<F>::stage_bytes;
+    if constexpr (F == kBF16) {
+      uint16_t* wt = reinterpret_cast<uint16_t*>(ws);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = (tid >> 3) + 32 * i, c = tid & 7;
+        const uint8_t* base;
+        const uint32_t* sbase;
+        const int n = wrow(r, base, sbase);
+        const uint8_t* src = n >= 0 ? base + size_t(n) * row_bytes + size_t(k0 + c * 8) * 2 : p.w;
+        cp_async16(wt + r * 64 + ((c ^ (r & 7)) << 3), src, n >= 0 ? 16 : 0);
+      }
+    } else {
+      constexpr int CPR = WTile<F>::code_bytes_per_row / 16;  // 16-byte chunks per row
+#pragma unroll
+      for (int i = 0; i < (kBN * CPR) / kThreads; ++i) {
+        const int idx = tid + kThreads * i;
+        const int r = idx / CPR, c = idx % CPR;
+        const uint8_t* base;
+        const uint32_t* sbase;
+        const int n = wrow(r, base, sbase);
+        const uint8_t* src =
+            n >= 0 ? base + size_t(n) * row_bytes + size_t(k0) * (F == kQ4 ? 1 : 2) / 2 + c * 16
+                   : p.w;
+        cp_async16(ws + r * WTile<F>::code_bytes_per_row + c * 16, src, n >= 0 ? 16 : 0);
+      }
+      if (tid < kBN) {
+        const uint8_t* base;
+        const uint32_t* sbase;
+        const int n = wrow(tid, base, sbase);
+        const uint32_t* src = n >= 0 ? sbase + size_t(n) * groups + kt : p.sb;
+        cp_async4(ws + WTile<F>::codes + tid * 4, src, n >= 0 ? 4 : 0);
+      }
+    }
+  };
+
+  float acc[MT][4][4];
+#pragma unroll
+  for (int a = 0; a < MT; ++a)
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    cp_async_commit();
+  }
+
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    {
+      const int nk = kt + kStages - 1;
+      if (nk < KT) load_stage(nk % kStages, nk);
+      cp_async_commit();
+    }
+    const int stage = kt % kStages;
+    const uint16_t* xt = Xs + size_t(stage) * BM * 64;
+    const uint16_t* wt;
+    if constexpr (QUANT) {
+      dequant_tile<F>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
+      __syncthreads();
+      wt = Wd;
+    } else {
+      wt = reinterpret_cast<const uint16_t*>(Wst + size_t(stage) * WTile<F>::stage_bytes);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int r = wm * WM + mt * 16 + (lane & 15);
+        const int ch = kk * 2 + (lane >> 4);
+        ldmatrix_x4(a[mt], xt + r * 64 + ((ch ^ (r & 7)) << 3));
+      }
+      uint32_t b[4][2];
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int nbase = SWIGLU ? (np == 0 ? wn * 16 : 64 + wn * 16) : wn * 32 + np * 16;
+        const int n = nbase + (lane & 7) + ((lane >> 4) << 3);
+        const int ch = kk * 2 + ((lane >> 3) & 1);
+        uint32_t t[4];
+        ldmatrix_x4(t, wt + n * 64 + ((ch ^ (n & 7)) << 3));
+        b[2 * np][0] = t[0];
+        b[2 * np][1] = t[1];
+        b[2 * np + 1][0] = t[2];
+        b[2 * np + 1][1] = t[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue straight from the accumulators.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = wm * WM + mt * 16 + (lane >> 2) + half * 8;
+      if (r >= rows_valid) continue;
+      const size_t orow = size_t(m0 + r) * p.ldy;
+      if constexpr (SWIGLU) {
+        uint16_t* y = static_cast<uint16_t*>(p.y);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int col = nb0 + wn * 16 + nt * 8 + (lane & 3) * 2;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (col + e >= p.N) continue;
+            const float g = acc[mt][nt][half * 2 + e], u = acc[mt][nt + 2][half * 2 + e];
+            y[orow + col + e] = f32_to_bf16_bits(p_silu(g) * u);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int col = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (col + e >= p.N) continue;
+            const float v = acc[mt][nt][half * 2 + e];
+            if (p.out_kind == int(PrefillOut::F32)) {
+              static_cast<float*>(p.y)[orow + col + e] = v;
+            } else if (p.out_kind == int(PrefillOut::F32Add)) {
+              static_cast<float*>(p.y)[orow + col + e] += v;
+            } else {
+              static_cast<uint16_t*>(p.y)[orow + col + e] = f32_to_bf16_bits(v);
+            }
+          }
+        }
+      }
+    }
+}
+
+template <int F, int BM, bool SWIGLU, bool GROUPED>
+void launch_gemm_t(const GemmParams& p, dim3 grid, cudaStream_t s) {
+  auto kernel = gemm_kernel<F, BM, SWIGLU, GROUPED>;
+  constexpr size_t smem = gemm_smem_bytes<F, BM>();
+  static const bool attr_ok = [&] {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "cudaFuncSetAttribute(prefill gemm kernel)");
+    return true;
+  }();
+  (void)attr_ok;
+  kernel<<<grid, kThreads, smem, s>>>(p);
+  check_launch("prefill gemm kernel");
+}
+
+template <int F>
+void launch_gemm_fmt(const GemmParams& p, int bm, bool swiglu, bool grouped, dim3 grid,
+                     cudaStream_t s) {
+  if (bm == 64) {
+    if (swiglu) grouped ? launch_gemm_t<F, 64, true, true>(p, grid, s) : launch_gemm_t<F, 64, true, false>(p, grid, s);
+    else grouped ? launch_gemm_t<F, 64, false, true>(p, grid, s) : launch_gemm_t<F, 64, false, false>(p, grid, s);
+  } else {
+    if (swiglu) grouped ? launch_gemm_t<F, 128, true, true>(p, grid, s) : launch_gemm_t<F, 128, true, false>(p, grid, s);
+    else grouped ? launch_gemm_t<F, 128, false, true>(p, grid, s) : launch_gemm_t<F, 128, false, false>(p, grid, s);
+  }
+}
+
+void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swiglu, bool grouped,
+                 dim3 grid, cudaStream_t s) {
+  switch (fmt) {
+    case PrefillWeightFormat::BF16: launch_gemm_fmt<kBF16>(p, bm, swiglu, grouped, grid, s); break;
+    case PrefillWeightFormat::Q4: launch_gemm_fmt<kQ4>(p, bm, swiglu, grouped, grid, s); break;
+    case PrefillWeightFormat::Q8: launch_gemm_fmt<kQ8>(p, bm, swiglu, grouped, grid, s); break;
+  }
+}
+
+const char* fmt_name(PrefillWeightFormat f) {
+  return f == PrefillWeightFormat::BF16 ? "bf16" : f == PrefillWeightFormat::Q4 ? "q4" : "q8";
+}
+
+void validate_weight(const PrefillWeight& w, const char* what) {
+  if (w.rows <= 0 || w.cols <= 0) fail(what, ": weight has no rows or columns (", w.rows, " x ", w.cols, ")");
+  if (w.cols % 64 != 0)
+    fail(what, ": weight columns (", w.cols, ") must be a multiple of 64 (format ", fmt_name(w.fmt), ")");
+  if (!w.w) fail(what, ": weight data pointer is null");
+  if (reinterpret_cast<uintptr_t>(w.w) % 16 != 0) fail(what, ": weight data must be 16-byte aligned");
+  if (w.fmt != PrefillWeightFormat::BF16 && !w.sb)
+    fail(what, ": quantized weight (", fmt_name(w.fmt), ") has no scale/bias array");
+}
+
+void validate_x(const uint16_t* x, size_t ldx, int K, const char* what) {
+  if (!x) fail(what, ": input pointer is null");
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || ldx % 8 != 0)
+    fail(what, ": input must be 16-byte aligned with a row stride that is a multiple of 8 (got ", ldx, ")");
+  if (ldx < size_t(K)) fail(what, ": input row stride ", ldx, " is below K = ", K);
+}
+
+GemmParams base_params(const PrefillWeight& w) {
+  GemmParams p{};
+  p.w = static_cast<const uint8_t*>(w.w);
+  p.sb = w.sb;
+  p.sb_f16 = w.sb_f16 ? 1 : 0;
+  p.N = w.rows;
+  p.K = w.cols;
+  p.expert_w_bytes = w.expert_w_bytes;
+  p.expert_sb_words = w.expert_sb_words;
+  return p;
+}
+
+// ---- MoE routing kernels ------------------------------------------------------
+
+constexpr int kRouteMaxPerLane = 16;  // E <= 512
+
+__global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, int k, int norm,
+                                 int* ids, float* weights, int* counts) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const float* l = logits + size_t(t) * ld;
+  float v[kRouteMaxPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kRouteMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, v[i]);
+  }
+  mx = p_warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRouteMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? expf(v[i] - mx) : 0.f;
+    sum += v[i];
+  }
+  sum = p_warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kRouteMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? v[i] / sum : -1.f;  // -1: never selected
+  }
+  int my_id = 0;
+  float my_p = 0.f;
+  for (int s = 0; s < k; ++s) {
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < kRouteMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (v[i] > bv) {  // ascending e: ties keep the lower index
+        bv = v[i];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    if ((bi & 31) == lane) {
+#pragma unroll
+      for (int i = 0; i < kRouteMaxPerLane; ++i)
+        if (i == (bi >> 5)) v[i] = -1.f;
+    }
+    if (lane == s) {
+      my_id = bi;
+      my_p = bv;
+    }
+  }
+  const float top = p_warp_sum(lane < k ? my_p : 0.f);
+  if (lane < k) {
+    ids[size_t(t) * k + lane] = my_id;
+    weights[size_t(t) * k + lane] = norm ? my_p / top : my_p;
+    if (counts) atomicAdd(&counts[my_id], 1);
+  }
+}
+
+// One block of E threads (E <= 1024): per-expert offsets (exclusive prefix sum
+// of counts), the scatter cursors, and the list of BM-row tiles.
+__global__ void moe_scan_kernel(const int* counts, int E, int bm, int* offsets, int* cursor,
+                                int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles) {
+  __shared__ int s_c[1024], s_t[1024];
+  const int e = threadIdx.x;
+  const int c = e < E ? counts[e] : 0;
+  const int nt = (c + bm - 1) / bm;
+  s_c[e] = c;
+  s_t[e] = nt;
+  __syncthreads();
+  for (int d = 1; d < blockDim.x; d <<= 1) {
+    const int a = e >= d ? s_c[e - d] : 0, b = e >= d ? s_t[e - d] : 0;
+    __syncthreads();
+    s_c[e] += a;
+    s_t[e] += b;
+    __syncthreads();
+  }
+  if (e < E) {
+    const int off = s_c[e] - c, toff = s_t[e] - nt;
+    offsets[e] = off;
+    cursor[e] = off;
+    for (int i = 0; i < nt; ++i) {
+      tile_expert[toff + i] = e;
+      tile_row0[toff + i] = off + i * bm;
+      tile_rows[toff + i] = min(bm, c - i * bm);
+    }
+  }
+  if (e == blockDim.x - 1) *num_tiles = s_t[e];
+}
+
+__global__ void moe_scatter_kernel(const int* ids, int n, int k, int* cursor, int* perm_row,
+                                   int* slot_pos) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int pos = atomicAdd(&cursor[ids[i]], 1);
+  perm_row[pos] = i / k;
+  slot_pos[i] = pos;
+}
+
+// out[t] (+)= sum_s w[t][s] * yp[slot_pos[t][s]] (+ sigmoid(sg[t]) * shared[t]).
+__global__ void moe_combine_kernel(const float* yp, int hidden, const int* slot_pos,
+                                   const float* weights, int k, const float* shared, size_t ld_shared,
+                                   const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate) {
+  const int t = blockIdx.x;
+  __shared__ int s_pos[32];
+  __shared__ float s_w[32];
+  if (threadIdx.x < k) {
+    s_pos[threadIdx.x] = slot_pos[size_t(t) * k + threadIdx.x];
+    s_w[threadIdx.x] = weights[size_t(t) * k + threadIdx.x];
+  }
+  __syncthreads();
+  const float gs = shared ? p_sigmoid(sg[size_t(t) * ld_sg]) : 0.f;
+  for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+    float acc = accumulate ? out[size_t(t) * ldo + j] : 0.f;
+    float m = 0.f;
+    for (int s = 0; s < k; ++s) m = fmaf(s_w[s], yp[size_t(s_pos[s]) * hidden + j], m);
+    acc += m;
+    if (shared) acc = fmaf(gs, shared[size_t(t) * ld_shared + j], acc);
+    out[size_t(t) * ldo + j] = acc;
+  }
+}
+
+struct MoeLayout {
+  size_t ids, weights, counts, offsets, cursor, perm_row, slot_pos, tile_expert, tile_row0,
+      tile_rows, num_tiles, h, yp, total;
+  int max_tiles;
+};
+
+MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
+  MoeLayout L{};
+  const size_t n = size_t(T) * k;
+  L.max_tiles = int(n / 64 + std::min<size_t>(E, n) + 1);  // worst case over BM in {64, 128}
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 255) & ~size_t(255);
+    return at;
+  };
+  L.ids = take(n * 4);
+  L.weights = take(n * 4);
+  L.counts = take(size_t(E) * 4);
+  L.offsets = take(size_t(E) * 4);
+  L.cursor = take(size_t(E) * 4);
+  L.perm_row = take(n * 4);
+  L.slot_pos = take(n * 4);
+  L.tile_expert = take(size_t(L.max_tiles) * 4);
+  L.tile_row0 = take(size_t(L.max_tiles) * 4);
+  L.tile_rows = take(size_t(L.max_tiles) * 4);
+  L.num_tiles = take(4);
+  L.h = take(n * inter * 2);
+  L.yp = take(n * hidden * 4);
+  L.total = off;
+  return L;
+}
+
+}  // namespace
+
+void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
+                  size_t ldy, PrefillOut out, cudaStream_t stream) {
+  validate_weight(w, "prefill_gemm");
+  validate_x(x, ldx, w.cols, "prefill_gemm");
+  if (T <= 0) return;
+  if (!y) fail("prefill_gemm: output pointer is null");
+  if (ldy < size_t(w.rows)) fail("prefill_gemm: output row stride ", ldy, " is below N = ", w.rows);
+  GemmParams p = base_params(w);
+  p.x = x;
+  p.ldx = ldx;
+  p.M = T;
+  p.y = y;
+  p.ldy = ldy;
+  p.out_kind = int(out);
+  const int bm = T <= 64 ? 64 : 128;
+  const dim3 grid((T + bm - 1) / bm, (w.rows + kBN - 1) / kBN);
+  if (grid.y > 65535) fail("prefill_gemm: too many output rows (", w.rows, ")");
+  launch_gemm(w.fmt, p, bm, false, false, grid, stream);
+}
+
+void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
+                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream) {
+  validate_weight(gate, "prefill_gemm_swiglu (gate)");
+  validate_weight(up, "prefill_gemm_swiglu (up)");
+  if (gate.rows != up.rows || gate.cols != up.cols || gate.fmt != up.fmt || gate.sb_f16 != up.sb_f16)
+    fail("prefill_gemm_swiglu: gate and up must have the same shape and format");
+  validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
+  if (T <= 0) return;
+  if (!h) fail("prefill_gemm_swiglu: output pointer is null");
+  GemmParams p = base_params(gate);
+  p.w2 = static_cast<const uint8_t*>(up.w);
+  p.sb2 = up.sb;
+  p.x = x;
+  p.ldx = ldx;
+  p.M = T;
+  p.y = h;
+  p.ldy = ldh;
+  p.out_kind = int(PrefillOut::BF16);
+  const int bm = T <= 64 ? 64 : 128;
+  const dim3 grid((T + bm - 1) / bm, (gate.rows + 63) / 64);
+  launch_gemm(gate.fmt, p, bm, true, false, grid, stream);
+}
+
+void prefill_moe_route(const float* logits, size_t ld_logits, int T, int E, int k, bool norm_topk,
+                       int* ids, float* weights, cudaStream_t stream) {
+  if (E <= 0 || E > 32 * kRouteMaxPerLane) fail("prefill_moe_route: experts (", E, ") must be in [1, 512]");
+  if (k <= 0 || k > 32 || k > E) fail("prefill_moe_route: top-k (", k, ") must be in [1, min(32, experts)]");
+  if (T <= 0) return;
+  moe_route_kernel<<<(T + 7) / 8, 256, 0, stream>>>(logits, ld_logits, T, E, k, norm_topk ? 1 : 0,
+                                                     ids, weights, nullptr);
+  check_launch("moe_route_kernel");
+}
+
+size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter) {
+  return moe_layout(T, E, k, hidden, inter).total;
+}
+
+void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
+  if (a.T <= 0) return;
+  if (a.E <= 0 || a.E > 1024 || a.E > 32 * kRouteMaxPerLane) fail("prefill_moe: experts (", a.E, ") must be in [1, 512]");
+  if (a.k <= 0 || a.k > 32 || a.k > a.E) fail("prefill_moe: top-k (", a.k, ") must be in [1, min(32, experts)]");
+  validate_weight(a.gate, "prefill_moe (gate)");
+  validate_weight(a.up, "prefill_moe (up)");
+  validate_weight(a.down, "prefill_moe (down)");
+  if (a.gate.rows != a.inter || a.gate.cols != a.hidden || a.up.rows != a.inter ||
+      a.up.cols != a.hidden || a.down.rows != a.hidden || a.down.cols != a.inter)
+    fail("prefill_moe: expert shapes must be gate/up [", a.inter, " x ", a.hidden, "], down [",
+         a.hidden, " x ", a.inter, "]");
+  if (a.gate.fmt != a.up.fmt || a.gate.expert_w_bytes != a.up.expert_w_bytes)
+    fail("prefill_moe: gate and up stacks must share format and expert stride");
+  if (a.inter % 8 != 0) fail("prefill_moe: intermediate size must be a multiple of 8");
+  validate_x(a.x, a.ldx, a.hidden, "prefill_moe");
+  if (!a.router_logits || !a.out) fail("prefill_moe: router logits or output pointer is null");
+  const MoeLayout L = moe_layout(a.T, a.E, a.k, a.hidden, a.inter);
+  if (!a.workspace || a.workspace_bytes < L.total)
+    fail("prefill_moe: workspace of ", a.workspace_bytes, " bytes is below the ", L.total, " needed");
+  uint8_t* ws = static_cast<uint8_t*>(a.workspace);
+  int* ids = reinterpret_cast<int*>(ws + L.ids);
+  float* weights = reinterpret_cast<float*>(ws + L.weights);
+  int* counts = reinterpret_cast<int*>(ws + L.counts);
+  int* offsets = reinterpret_cast<int*>(ws + L.offsets);
+  int* cursor = reinterpret_cast<int*>(ws + L.cursor);
+  int* perm_row = reinterpret_cast<int*>(ws + L.perm_row);
+  int* slot_pos = reinterpret_cast<int*>(ws + L.slot_pos);
+  int* tile_expert = reinterpret_cast<int*>(ws + L.tile_expert);
+  int* tile_row0 = reinterpret_cast<int*>(ws + L.tile_row0);
+  int* tile_rows = reinterpret_cast<int*>(ws + L.tile_rows);
+  int* num_tiles = reinterpret_cast<int*>(ws + L.num_tiles);
+  uint16_t* h = reinterpret_cast<uint16_t*>(ws + L.h);
+  float* yp = reinterpret_cast<float*>(ws + L.yp);
+
+  const int n = a.T * a.k;
+  // Rows per expert on average decide the tile height.
+  if (a.tile_rows != 0 && a.tile_rows != 64 && a.tile_rows != 128)
+    fail("prefill_moe: tile_rows must be 0, 64 or 128 (got ", a.tile_rows, ")");
+  const int bm = a.tile_rows ? a.tile_rows : (n / a.E) >= 96 ? 128 : 64;
+  const int max_tiles = n / bm + std::min(a.E, n) + 1;
+
+  check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
+  moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
+                                                       a.norm_topk ? 1 : 0, ids, weights, counts);
+  check_launch("moe_route_kernel");
+  const int scan_threads = (a.E + 31) / 32 * 32;
+  moe_scan_kernel<<<1, scan_threads, 0, stream>>>(counts, a.E, bm, offsets, cursor, tile_expert,
+                                                  tile_row0, tile_rows, num_tiles);
+  check_launch("moe_scan_kernel");
+  moe_scatter_kernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, n, a.k, cursor, perm_row, slot_pos);
+  check_launch("moe_scatter_kernel");
+
+  GemmParams p = base_params(a.gate);
+  p.w2 = static_cast<const uint8_t*>(a.up.w);
+  p.sb2 = a.up.sb;
+  p.x = a.x;
+  p.ldx = a.ldx;
+  p.a_rows = perm_row;
+  p.tile_expert = tile_expert;
+  p.tile_row0 = tile_row0;
+  p.tile_rows = tile_rows;
+  p.num_tiles = num_tiles;
+  p.y = h;
+  p.ldy = a.inter;
+  p.out_kind = int(PrefillOut::BF16);
+  launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+
+  GemmParams q = base_params(a.down);
+  q.x = h;
+  q.ldx = a.inter;
+  q.a_rows = nullptr;
+  q.tile_expert = tile_expert;
+  q.tile_row0 = tile_row0;
+  q.tile_rows = tile_rows;
+  q.num_tiles = num_tiles;
+  q.y = yp;
+  q.ldy = a.hidden;
+  q.out_kind = int(PrefillOut::F32);
+  launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+
+  moe_combine_kernel<<<a.T, 256, 0, stream>>>(yp, a.hidden, slot_pos, weights, a.k, a.shared_out,
+                                              a.ld_shared, a.shared_gate_logit, a.ld_shared_gate,
+                                              a.out, a.ldo, a.accumulate ? 1 : 0);
+  check_launch("moe_combine_kernel");
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,123 @@
+// Choosing the next token from a row of logits, on the CPU.
+//
+// Pipeline, in this order (temperature == 0 stops after step 1 with argmax):
+//   1. Penalties, on a copy of the logits:
+//      * repetition_penalty (Hugging Face semantics) over every distinct token
+//        of the history, prompt AND generated: a positive logit is divided by
+//        the penalty, a negative one multiplied by it. 1 = off.
+//      * frequency_penalty and presence_penalty (OpenAI semantics) over the
+//        GENERATED tokens only (history[prompt_len:]):
+//          logit -= frequency_penalty * count + presence_penalty * (count > 0)
+//        0 = off. Repetition is applied first, then these two.
+//   2. temperature: logits / temperature.
+//   3. top_k (0 = off): keep the k highest logits.
+//   4. top_p (1 = off): over the softmax of what is left, keep the smallest
+//      set of most probable tokens whose probability sums to at least top_p
+//      (the token that crosses top_p is kept; at least one token always is).
+//   5. min_p (0 = off): keep tokens whose probability is at least
+//      min_p * (probability of the most likely token).
+//   6. Draw from what is left, in proportion to exp(logit / temperature).
+// Ties are broken towards the lower token id everywhere (argmax, top-k,
+// top-p), so the kept set and its order do not depend on the sort algorithm.
+//
+// Reproducibility: the draw uses std::mt19937_64 seeded with params.seed (or
+// from std::random_device when has_seed is false); one 64-bit output per
+// sampled token, turned into a double in [0, 1) as (x >> 11) * 2^-53 rather
+// than through std::uniform_real_distribution, whose algorithm the standard
+// leaves open. The same seed, parameters, logits and history give the same
+// tokens (across platforms too, up to last-bit differences between libm exp
+// implementations). Each non-greedy sample() consumes exactly one draw,
+// whatever the filters; greedy sampling consumes none.
+//
+// Cost for a vocabulary of V: one copy of the row and, unless top-k is on,
+// one exp per token (O(V)). Top-k is one pass with a k-heap (k <= 1024) or
+// nth_element, plus a sort of k. Top-p without top-k is two passes that
+// bucket the tokens by weight (1/8 nat per bucket), then sorts only the
+// bucket where the mass crosses top_p. Nothing sorts the whole vocabulary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lily::engine {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 = greedy
+  float top_p = 1.0f;        // (0, 1]
+  float min_p = 0.0f;        // [0, 1]
+  int top_k = 0;             // 0 = off
+  float repetition_penalty = 1.0f;  // > 0; 1 = off
+  float presence_penalty = 0.0f;    // [-2, 2]
+  float frequency_penalty = 0.0f;   // [-2, 2]
+  uint64_t seed = 0;
+  bool has_seed = false;
+
+  // Defaults from a model's generation_config.json: temperature, top_p,
+  // top_k, min_p, repetition_penalty when present (null or missing fields
+  // keep the defaults above). "do_sample": false means greedy (temperature 0);
+  // a missing do_sample is taken as sampling, since a server default should
+  // follow the sampling values the model ships. Fails on a field of the
+  // wrong type.
+  static SamplingParams from_generation_config(const nlohmann::json& config);
+
+  // A message naming the first out-of-range field, or nullopt if all are
+  // valid.
+  std::optional<std::string> validation_error() const;
+  // Throws lily::Error with validation_error()'s message.
+  void validate() const;
+
+  bool greedy() const { return temperature == 0.0f; }
+};
+
+class Sampler {
+ public:
+  // Validates params (throws lily::Error).
+  explicit Sampler(const SamplingParams& params);
+
+  // Picks the next token. history = prompt tokens followed by the generated
+  // tokens; history[prompt_len:] are the generated ones (prompt_len is
+  // clamped to history.size()). Fails if the logits are empty, if a history
+  // token is outside the vocabulary, or if no logit is finite.
+  int sample(std::span<const float> logits, std::span<const int> history = {},
+             size_t prompt_len = 0);
+
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  void apply_penalties(std::span<const int> history, size_t prompt_len);
+  // order_ = the n most likely tokens of work_, most likely first.
+  void select_top(size_t n);
+  double uniform();
+
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  std::vector<float> work_;
+  std::vector<int> order_;
+  std::vector<double> weights_;
+  std::vector<int> counts_scratch_;
+  std::vector<int> crossing_;
+};
+
+// Index of the largest logit, the lowest on ties (NaN counts as -inf).
+int argmax(std::span<const float> logits);
+
+// log(sum(exp(logits))), computed stably in double; NaN counts as -inf.
+double log_sum_exp(std::span<const float> logits);
+
+// Log-probability of token id under softmax(logits): the raw logits, before
+// any penalty or temperature, as OpenAI reports logprobs.
+float logprob_of(std::span<const float> logits, int id);
+
+// The n most likely tokens and their log-probabilities, most likely first
+// (ties: lower id first); n is clamped to the vocabulary size.
+std::vector<std::pair<int, float>> top_logprobs(std::span<const float> logits, size_t n);
+
+}  // namespace lily::engine
