@@ -97,5 +97,68 @@ TEST(Cli, ErrorsAreOneLineWithNonZeroExit) {
   expect_one_line_error(run_lily("frobnicate"), "unknown command");
 }
 
+TEST(CliText, TokenizeDetokenizeRoundTrip) {
+  const std::string tok = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
+                          test::fixture_dir("tokenizer");
+  CliRun r = run_lily("tokenize" + tok + " --text 'Hello, world! <|im_end|>'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto ids = nlohmann::json::parse(r.out).at("tokens").get<std::vector<int>>();
+  EXPECT_EQ(ids, (std::vector<int>{9707, 11, 1879, 0, 220, 151645}));
+  r = run_lily("detokenize" + tok + " --tokens " + join(ids));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("text"), "Hello, world! <|im_end|>");
+  r = run_lily("detokenize" + tok + " --skip-special --tokens " + join(ids));
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("text"), "Hello, world! ");
+}
+
+// The chat-tiny reference: its prompt renders and tokenizes identically, and
+// `lily run` at temperature 0 continues exactly as transformers did.
+TEST(CliText, TemplateAndRunReproduceChatTinyReference) {
+  auto ref = nlohmann::json::parse(std::ifstream(test::fixture_dir("qwen3-chat-tiny") + "/reference.json"));
+  test::TempModelDir tmp("qwen3");
+  test::write_text(tmp.file("req.json"),
+                   R"({"messages": [{"role": "user", "content": "Write a haiku about the sea."}]})");
+  const std::string m = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
+                        test::fixture_dir("tokenizer");
+  CliRun r = run_lily("template" + m + " --request " + tmp.file("req.json"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("prompt"), ref.at("prompt_text"));
+  EXPECT_EQ(j.at("tokens"), ref.at("prompt_ids"));
+
+  r = run_lily("run" + m + " --quiet --temperature 0 --max-tokens 24 'Write a haiku about the sea.'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, ref.at("generated_text").get<std::string>() + "\n");
+  EXPECT_NE(r.err.find("24 generated"), std::string::npos) << r.err;
+}
+
+TEST(CliText, ChatKeepsTheConversation) {
+  const std::string m = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
+                        test::fixture_dir("tokenizer");
+  test::TempModelDir tmp("qwen3");
+  test::write_text(tmp.file("input"), "hello\n/think off\nand again\n/reset\n/bogus\nbye\n/quit\n");
+  CliRun r = run_lily("chat" + m + " --quiet --temperature 0 --max-tokens 4 < " + tmp.file("input"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Three replies; the second turn reuses the first turn's prefix.
+  size_t n = 0;
+  for (size_t p = r.err.find("generated"); p != std::string::npos; p = r.err.find("generated", p + 1)) ++n;
+  EXPECT_EQ(n, 3u) << r.err;
+  // Only the first and the post-reset turns start cold.
+  size_t cold = 0;
+  for (size_t p = r.err.find("(0 cached)"); p != std::string::npos; p = r.err.find("(0 cached)", p + 1)) ++cold;
+  EXPECT_EQ(cold, 2u) << r.err;
+  EXPECT_NE(r.err.find("unknown command /bogus"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("conversation cleared"), std::string::npos) << r.err;
+}
+
+TEST(CliText, TemplateErrorsNameTheParameter) {
+  test::TempModelDir tmp("qwen3");
+  test::write_text(tmp.file("req.json"), R"({"messages": [{"role": "wizard", "content": "hi"}]})");
+  const std::string m = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
+                        test::fixture_dir("tokenizer");
+  expect_one_line_error(run_lily("template" + m + " --request " + tmp.file("req.json")), "messages[0].role");
+  expect_one_line_error(run_lily("template" + m + " --request /nonexistent.json"), "/nonexistent.json");
+}
+
 }  // namespace
 }  // namespace lily

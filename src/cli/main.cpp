@@ -16,6 +16,16 @@ const char kUsage[] =
     "  logits    --model DIR --tokens 1,2,3 [--prefill N]   logits at every position (JSON)\n"
     "  generate  --model DIR --tokens 1,2,3 --max-tokens K  greedy continuation (JSON)\n"
     "  info      --model DIR                                 architecture, parameters, storage\n"
+    "  tokenize    [--model DIR] --text STR [--no-special]    {\"tokens\": [...]}\n"
+    "  detokenize  [--model DIR] --tokens 1,2 [--skip-special] {\"text\": \"...\"}\n"
+    "  template    [--model DIR] --request FILE   chat request -> {\"prompt\", \"tokens\"}\n"
+    "  run         [--model DIR] [--no-think] [--max-tokens N] [--temperature T] \"prompt\"\n"
+    "                                 stream one reply\n"
+    "  chat        [--model DIR] [--system TEXT] [--no-think]   interactive conversation\n"
+    "  bench     --synthetic NAME | --model DIR [--ctx 256,4096] [--json F]  decode tok/s, GB/s\n"
+    "  serve     [--model DIR] [--host H] [--port P] [--api-key KEY] [--ctx N]\n"
+    "            [--max-body BYTES] [--max-tokens-limit N] [--tokenizer DIR]\n"
+    "                                 OpenAI-compatible HTTP server (docs/server.md)\n"
     "\n"
     "common options: --backend cpu, --threads N\n";
 
@@ -33,6 +43,13 @@ int main(int argc, char** argv) {
     if (cmd == "logits") return cmd_logits(argc - 2, argv + 2);
     if (cmd == "generate") return cmd_generate(argc - 2, argv + 2);
     if (cmd == "info") return cmd_info(argc - 2, argv + 2);
+    if (cmd == "tokenize") return cmd_tokenize(argc - 2, argv + 2);
+    if (cmd == "detokenize") return cmd_detokenize(argc - 2, argv + 2);
+    if (cmd == "template") return cmd_template(argc - 2, argv + 2);
+    if (cmd == "run") return cmd_run(argc - 2, argv + 2);
+    if (cmd == "chat") return cmd_chat(argc - 2, argv + 2);
+    if (cmd == "bench") return cmd_bench(argc - 2, argv + 2);
+    if (cmd == "serve") return cmd_serve(argc - 2, argv + 2);
     std::fprintf(stderr, "lily: unknown command '%s' (try lily --help)\n", cmd.c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -1,0 +1,387 @@
+// Gated full attention, decode: flash-decoding over the KV cache.
+//
+// Block (context split, KV head, group of <= 8 query heads): all query heads
+// that share the KV head are handled together, so each cached K/V row is read
+// once per step. Lanes split head_dim; a warp takes 4 positions at a time,
+// reduces the 4 x 8 partial dot products with a reduce-scatter across the
+// lanes (31 shuffles for 32 sums), keeps an online softmax per head and
+// accumulates P V in registers. The 4 warps merge in shared memory and the
+// block writes (max, sum, o) per head; the combine kernel merges the splits
+// and applies the output gate. The split length is derived from the position
+// in device memory, so one captured launch serves every context length.
+#include "backend/cuda/device_common.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr int kAttnPos = 4;    // positions per warp step
+constexpr int kAttnHeads = 8;  // query heads per block (kAttnPos * kAttnHeads == 32)
+constexpr int kCombineThreads = 64;
+
+__host__ __device__ inline int split_len(int n, int max_splits) {
+  int per = (n + max_splits - 1) / max_splits;
+  per = (per + 31) / 32 * 32;
+  return per < 32 ? 32 : per;
+}
+
+template <int DPL, bool BF>
+struct KvRow {
+  static constexpr int W = BF ? (DPL >= 2 ? DPL / 2 : 1) : DPL;
+  uint32_t r[W];
+  __device__ __forceinline__ void load(const void* base, size_t elem) {
+    if constexpr (BF) {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + elem;
+      if constexpr (DPL == 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+      } else if constexpr (DPL == 4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        r[0] = v.x; r[1] = v.y;
+      } else if constexpr (DPL == 2) {
+        r[0] = *reinterpret_cast<const uint32_t*>(p);
+      } else {
+        r[0] = *p;
+      }
+    } else {
+      const uint32_t* p = static_cast<const uint32_t*>(base) + elem;
+      if constexpr (DPL == 8) {
+        const uint4 a = *reinterpret_cast<const uint4*>(p), b = *reinterpret_cast<const uint4*>(p + 4);
+        r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w; r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+      } else if constexpr (DPL == 4) {
+        const uint4 a = *reinterpret_cast<const uint4*>(p);
+        r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+      } else if constexpr (DPL == 2) {
+        const uint2 a = *reinterpret_cast<const uint2*>(p);
+        r[0] = a.x; r[1] = a.y;
+      } else {
+        r[0] = *p;
+      }
+    }
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < W; ++i) r[i] = 0;
+  }
+  __device__ __forceinline__ float get(int d) const {
+    if constexpr (BF) {
+      if constexpr (DPL == 1) return __uint_as_float(r[0] << 16);
+      else return (d & 1) ? __uint_as_float(r[d >> 1] & 0xFFFF0000u) : __uint_as_float(r[d >> 1] << 16);
+    } else {
+      return __uint_as_float(r[d]);
+    }
+  }
+};
+
+// One level of the reduce-scatter: lanes that differ in bit O swap halves.
+template <int O>
+__device__ __forceinline__ void reduce_scatter_step(float (&part)[32], int lane) {
+  const bool up = (lane & O) != 0;
+#pragma unroll
+  for (int i = 0; i < O; ++i) {
+    const float send = up ? part[i] : part[i + O];
+    const float keep = up ? part[i + O] : part[i];
+    part[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+  }
+}
+
+__device__ __forceinline__ uint16_t to_bf16_bits(float f) {
+  const __nv_bfloat16 b = __float2bfloat16_rn(f);
+  uint16_t u;
+  memcpy(&u, &b, 2);
+  return u;
+}
+
+template <int HD, bool BF>
+__global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr int DPL = HD / 32;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int split = blockIdx.x, kvh = blockIdx.y, hg0 = blockIdx.z * kAttnHeads;
+  const int G = p.nh / p.nkv;
+  const int gcount = min(kAttnHeads, G - hg0);
+  const int pos = p.ctrl->pos, n = pos + 1;
+  const int len = split_len(n, p.max_splits);
+  const int p0 = split * len;
+  if (p0 >= n) return;
+  const int p1 = min(n, p0 + len);
+
+  extern __shared__ __align__(16) float sm[];
+  float* qs = sm;                                  // [8][HD]
+  float* macc = qs + kAttnHeads * HD;              // [warps][8][HD]
+  float* mml = macc + kAttnWarps * kAttnHeads * HD;  // [warps][8][2]
+  float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
+  float* aw = pw + kAttnWarps * 32;                // [warps][8]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const size_t head_base = size_t(kvh) * p.capacity * HD;
+  char* kc = static_cast<char*>(p.k_cache) + head_base * (BF ? 2 : 4);
+  char* vc = static_cast<char*>(p.v_cache) + head_base * (BF ? 2 : 4);
+
+  // Queries: per-head RMSNorm (then RoPE below).
+  for (int hl = warp; hl < kAttnHeads; hl += kAttnWarps) {
+    if (hl < gcount) {
+      const float* q = p.qkv + size_t(kvh * G + hg0 + hl) * p.q_head_stride;
+      float v[DPL];
+      float ss = 0.f;
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        v[d] = q[lane + 32 * d];
+        ss = fmaf(v[d], v[d], ss);
+      }
+      ss = warp_sum(ss);
+      const float inv = 1.f / sqrtf(ss / HD + p.eps);
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) qs[hl * HD + lane + 32 * d] = v[d] * inv * p.q_norm[lane + 32 * d];
+    } else {
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) qs[hl * HD + lane + 32 * d] = 0.f;
+    }
+  }
+  // The new K/V row (position pos) is written by the block(s) whose split
+  // holds it; with more than 8 query heads per KV head several blocks share
+  // the split and each writes the same values before reading them back.
+  const bool writer = p0 <= pos && pos < p1;
+  float* knorm = macc;  // scratch until the merge
+  const float* knew = p.qkv + size_t(p.nh) * p.q_head_stride + size_t(kvh) * HD;
+  const float* vnew = p.qkv + size_t(p.nh) * p.q_head_stride + size_t(p.nkv) * HD + size_t(kvh) * HD;
+  if (writer && warp == 0) {
+    float v[DPL];
+    float ss = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) {
+      v[d] = knew[lane + 32 * d];
+      ss = fmaf(v[d], v[d], ss);
+    }
+    ss = warp_sum(ss);
+    const float inv = 1.f / sqrtf(ss / HD + p.eps);
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) knorm[lane + 32 * d] = v[d] * inv * p.k_norm[lane + 32 * d];
+  }
+  if (writer && warp == 1) {
+    for (int e = lane; e < HD; e += 32) {
+      const float v = vnew[e];
+      if constexpr (BF) reinterpret_cast<uint16_t*>(vc)[size_t(pos) * HD + e] = to_bf16_bits(v);
+      else reinterpret_cast<float*>(vc)[size_t(pos) * HD + e] = v;
+    }
+  }
+  __syncthreads();
+  const int half = p.rotary_dim / 2;
+  const float fpos = static_cast<float>(pos);
+  for (int idx = tid; idx < (kAttnHeads + 1) * half; idx += kAttnThreads) {
+    const int hl = idx / half, i = idx - hl * half;
+    float* x = hl < kAttnHeads ? qs + hl * HD : knorm;
+    if (hl == kAttnHeads && !writer) continue;
+    if (hl < kAttnHeads && hl >= gcount) continue;
+    const float angle = fpos * p.inv_freq[i];
+    const float c = cosf(angle), s = sinf(angle);
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * c - x2 * s;
+    x[i + half] = x2 * c + x1 * s;
+  }
+  __syncthreads();
+  if (writer) {
+    for (int e = tid; e < HD; e += kAttnThreads) {
+      if constexpr (BF) reinterpret_cast<uint16_t*>(kc)[size_t(pos) * HD + e] = to_bf16_bits(knorm[e]);
+      else reinterpret_cast<float*>(kc)[size_t(pos) * HD + e] = knorm[e];
+    }
+  }
+  __syncthreads();
+
+  const float scale = 1.f / sqrtf(static_cast<float>(HD));
+  float acc[kAttnHeads][DPL];
+#pragma unroll
+  for (int h = 0; h < kAttnHeads; ++h)
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
+  float m_run = -INFINITY, l_run = 0.f;  // for head (lane & 7)
+  const int my_j = lane >> 3, my_h = lane & 7;
+  // K/V rows of the next step are loaded while this step computes.
+  KvRow<DPL, BF> kr[kAttnPos], vr[kAttnPos], kn[kAttnPos], vn[kAttnPos];
+  auto load_rows = [&](int b, KvRow<DPL, BF>(&k)[kAttnPos], KvRow<DPL, BF>(&v)[kAttnPos]) {
+#pragma unroll
+    for (int jp = 0; jp < kAttnPos; ++jp) {
+      if (b + jp < p1) {
+        k[jp].load(kc, size_t(b + jp) * HD + lane * DPL);
+        v[jp].load(vc, size_t(b + jp) * HD + lane * DPL);
+      } else {
+        k[jp].zero();
+        v[jp].zero();
+      }
+    }
+  };
+  constexpr int kStride = kAttnWarps * kAttnPos;
+  load_rows(p0 + warp * kAttnPos, kr, vr);
+  for (int base = p0 + warp * kAttnPos; base < p1; base += kStride) {
+    if (base + kStride < p1) load_rows(base + kStride, kn, vn);
+    float part[kAttnPos * kAttnHeads];
+#pragma unroll
+    for (int h = 0; h < kAttnHeads; ++h) {
+      float qv[DPL];
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) qv[d] = qs[h * HD + lane * DPL + d];
+#pragma unroll
+      for (int jp = 0; jp < kAttnPos; ++jp) {
+        float s = 0.f;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) s = fmaf(qv[d], kr[jp].get(d), s);
+        part[jp * kAttnHeads + h] = s;
+      }
+    }
+    // Reduce-scatter: lane l ends with the full sum of part[l].
+    reduce_scatter_step<16>(part, lane);
+    reduce_scatter_step<8>(part, lane);
+    reduce_scatter_step<4>(part, lane);
+    reduce_scatter_step<2>(part, lane);
+    reduce_scatter_step<1>(part, lane);
+    float s = part[0] * scale;
+    if (base + my_j >= p1 || my_h >= gcount) s = -INFINITY;
+    float tmax = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, 8));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+    const float m_new = fmaxf(m_run, tmax);
+    float pe = 0.f, alpha = 1.f;
+    if (m_new != -INFINITY) {
+      pe = expf(s - m_new);
+      alpha = expf(m_run - m_new);
+    }
+    float ls = pe + __shfl_xor_sync(0xffffffffu, pe, 8);
+    ls += __shfl_xor_sync(0xffffffffu, ls, 16);
+    l_run = l_run * alpha + ls;
+    m_run = m_new;
+    pw[warp * 32 + lane] = pe;
+    if (lane < kAttnHeads) aw[warp * kAttnHeads + lane] = alpha;
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < kAttnHeads; ++h) {
+      const float a = aw[warp * kAttnHeads + h];
+      float pj[kAttnPos];
+#pragma unroll
+      for (int jp = 0; jp < kAttnPos; ++jp) pj[jp] = pw[warp * 32 + jp * kAttnHeads + h];
+#pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        float v = acc[h][d] * a;
+#pragma unroll
+        for (int jp = 0; jp < kAttnPos; ++jp) v = fmaf(pj[jp], vr[jp].get(d), v);
+        acc[h][d] = v;
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int jp = 0; jp < kAttnPos; ++jp) {
+      kr[jp] = kn[jp];
+      vr[jp] = vn[jp];
+    }
+  }
+  __syncthreads();  // knorm (in macc) is no longer needed
+  if (lane < kAttnHeads) {
+    mml[(warp * kAttnHeads + lane) * 2] = m_run;
+    mml[(warp * kAttnHeads + lane) * 2 + 1] = l_run;
+  }
+#pragma unroll
+  for (int h = 0; h < kAttnHeads; ++h)
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) macc[(warp * kAttnHeads + h) * HD + lane * DPL + d] = acc[h][d];
+  __syncthreads();
+  for (int idx = tid; idx < gcount * HD; idx += kAttnThreads) {
+    const int h = idx / HD, e = idx - h * HD;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, mml[(w * kAttnHeads + h) * 2]);
+    float O = 0.f, Lsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) {
+      const float mw = mml[(w * kAttnHeads + h) * 2];
+      const float ww = mw == -INFINITY ? 0.f : expf(mw - M);
+      O = fmaf(ww, macc[(w * kAttnHeads + h) * HD + e], O);
+      Lsum = fmaf(ww, mml[(w * kAttnHeads + h) * 2 + 1], Lsum);
+    }
+    const size_t hs = size_t(kvh * G + hg0 + h) * p.max_splits + split;
+    p.part_o[hs * HD + e] = O;
+    if (e == 0) {
+      p.part_ml[hs * 2] = M;
+      p.part_ml[hs * 2 + 1] = Lsum;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(const __grid_constant__ AttentionParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
+  extern __shared__ float wsm[];  // [max_splits] weights, [max_splits] sums
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, tid = threadIdx.x, HD = p.hd;
+  const int n = p.ctrl->pos + 1;
+  const int len = split_len(n, p.max_splits);
+  const int ns = (n + len - 1) / len;
+  const float* ml = p.part_ml + size_t(h) * p.max_splits * 2;
+  float M = -INFINITY;
+  for (int s = tid; s < ns; s += blockDim.x) M = fmaxf(M, ml[2 * s]);
+  M = block_max(M, scratch);
+  float L = 0.f;
+  for (int s = tid; s < ns; s += blockDim.x) {
+    const float w = expf(ml[2 * s] - M);
+    wsm[s] = w;
+    L = fmaf(w, ml[2 * s + 1], L);
+  }
+  L = block_sum(L, scratch);  // also orders the wsm writes before the reads below
+  const int e = blockIdx.y * kCombineThreads + tid;
+  if (e >= HD) return;
+  const float* po = p.part_o + size_t(h) * p.max_splits * HD + e;
+  // Eight independent loads in flight per step.
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int s = 0;
+  for (; s + 8 <= ns; s += 8) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = po[size_t(s + u) * HD];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc[u] = fmaf(wsm[s + u], v[u], acc[u]);
+  }
+  for (; s < ns; ++s) acc[0] = fmaf(wsm[s], po[size_t(s) * HD], acc[0]);
+  float o = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) / L;
+  if (p.gated) o *= sigmoid(p.qkv[size_t(h) * p.q_head_stride + HD + e]);
+  p.out[size_t(h) * HD + e] = o;
+}
+
+template <int HD, bool BF>
+void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
+  const size_t smem = (size_t(kAttnHeads) * HD + size_t(kAttnWarps) * kAttnHeads * HD +
+                       kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads) *
+                      4;
+  static bool init = [] {
+    LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    return true;
+  }();
+  (void)init;
+  const int G = p.nh / p.nkv;
+  const dim3 grid(p.max_splits, p.nkv, (G + kAttnHeads - 1) / kAttnHeads);
+  launch_kernel("attention", attention_kernel<HD, BF>, grid, dim3(kAttnThreads), smem, s, pdl, p);
+}
+
+}  // namespace
+
+int attention_split_len_host(int n, int max_splits) { return split_len(n, max_splits); }
+
+void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
+  if (p.nh % p.nkv != 0) fail("attention: ", p.nh, " query heads over ", p.nkv, " KV heads");
+  if (p.rotary_dim <= 0 || p.rotary_dim > p.hd || p.rotary_dim % 2)
+    fail("attention: rotary dim ", p.rotary_dim, " for head dim ", p.hd);
+  const bool bf = p.kv_bf16 != 0;
+  switch (p.hd) {
+    case 32: return bf ? launch_attention_t<32, true>(p, s, pdl) : launch_attention_t<32, false>(p, s, pdl);
+    case 64: return bf ? launch_attention_t<64, true>(p, s, pdl) : launch_attention_t<64, false>(p, s, pdl);
+    case 128: return bf ? launch_attention_t<128, true>(p, s, pdl) : launch_attention_t<128, false>(p, s, pdl);
+    case 256: return bf ? launch_attention_t<256, true>(p, s, pdl) : launch_attention_t<256, false>(p, s, pdl);
+    default: fail("attention: head_dim ", p.hd, " is not supported (32, 64, 128, 256)");
+  }
+}
+
+void launch_attention_combine(const AttentionParams& p, cudaStream_t s, bool pdl) {
+  const dim3 grid(p.nh, (p.hd + kCombineThreads - 1) / kCombineThreads);
+  launch_kernel("attention_combine", attention_combine_kernel, grid, dim3(kCombineThreads),
+                size_t(p.max_splits) * 4, s, pdl, p);
+}
+
+}  // namespace lily::cuda

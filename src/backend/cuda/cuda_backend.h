@@ -1,0 +1,93 @@
+// The CUDA backend: the decode forward pass of every supported architecture
+// on one GPU, one token at a time, replayed from a CUDA graph per sequence
+// cache. Prefill runs the decode step token by token for now.
+//
+// This header compiles without CUDA (the implementation is only built when
+// CMake finds nvcc and defines LILY_HAVE_CUDA).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace lily {
+
+// True when lily was built with CUDA and a CUDA device is visible.
+bool cuda_device_available();
+// "cuda" when a GPU is present, else "cpu" (make_backend accepts "auto").
+// Defined in backend.cpp; belongs in backend.h once that header takes it.
+std::string default_backend_kind();
+
+namespace cuda {
+
+struct CudaOptions {
+  bool kv_bf16 = true;   // KV cache in bf16 (false: f32, for tight comparisons)
+  bool pdl = true;       // programmatic dependent launch between kernels
+  bool graphs = true;    // replay each decode step from a CUDA graph
+  int max_splits = 128;  // context splits of the attention kernel
+  uint64_t seed = 1;     // synthetic weights
+};
+// Defaults overridden by LILY_CUDA_KV=f32|bf16, LILY_CUDA_PDL=0|1,
+// LILY_CUDA_GRAPHS=0|1.
+CudaOptions options_from_env();
+
+struct KernelTiming {
+  std::string name;
+  int launches = 0;
+  double ms = 0;     // summed over launches
+  double bytes = 0;  // summed minimum traffic over launches
+};
+
+class CudaBackend : public Backend {
+ public:
+  CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOptions& options);
+  ~CudaBackend() override;
+
+  std::string name() const override { return "cuda"; }
+  const ModelConfig& config() const override;
+  std::unique_ptr<SequenceCache> new_cache(int max_positions) override;
+  void forward(SequenceCache& cache, std::span<const int> tokens, LogitsMode mode,
+               float* logits) override;
+
+  // ---- benchmark hooks ----
+  // Puts the cache at position `ctx` as if a prompt of that length had been
+  // prefilled: random KV rows [0, ctx) and random DeltaNet / conv state.
+  void bench_fill(SequenceCache& cache, int ctx, uint64_t seed);
+  // n greedy decode steps, each fed the previous step's argmax on the device,
+  // queued without any host synchronisation (first input: first_token).
+  void decode_steps(SequenceCache& cache, int n, int first_token);
+  void synchronize();
+  // Elapsed device time of `n` decode_steps, measured with events.
+  double time_decode_ms(SequenceCache& cache, int n, int first_token);
+  // One decode step launch by launch (no graph), timed per kernel with events.
+  std::vector<KernelTiming> profile_step(SequenceCache& cache);
+  // Minimum bytes one decode step moves at context length ctx (weights read,
+  // DeltaNet state read + written, KV read).
+  double step_bytes(int ctx) const;
+  int step_launches() const;
+  size_t weight_bytes() const;
+  // The last greedy token chosen on the device.
+  int last_token(SequenceCache& cache);
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+std::unique_ptr<CudaBackend> make_cuda_backend(std::unique_ptr<ModelWeights> weights,
+                                               const CudaOptions& options = options_from_env());
+
+// Device-to-device copy bandwidth in GB/s, counting bytes read plus written.
+double measure_copy_bandwidth_gbs(size_t bytes, int iters);
+// Device memory in use (total - free) and the device's name.
+size_t device_memory_used();
+// SM clock (MHz) seen by a short spinning kernel right now.
+double sm_clock_mhz();
+std::string device_name();
+
+}  // namespace cuda
+}  // namespace lily

@@ -1,0 +1,126 @@
+// Gated DeltaNet decode step: causal conv1d update + SiLU, L2 norms, gates and
+// the f32 recurrent state update, for one token.
+//
+// Block (value head h, 32-column slice of the value dim): it reads and writes
+// its [dk x 32] slice of the state once (coalesced 128-byte rows), recomputes
+// the conv of its key head's q/k channels (cheap) and owns the conv of its v
+// channels. The conv state is a ring of the last K raw inputs indexed by
+// position % K: this step writes slot pos % K while every reader reads the
+// other K - 1 slots, so blocks never race on it.
+#include "backend/cuda/device_common.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kDnThreads = 128;
+constexpr int kDnCols = 32;
+constexpr int kDnRowGroups = kDnThreads / kDnCols;  // 4
+constexpr int kDnMaxRows = 32;                      // dk / 4 <= 32
+constexpr int kDnMaxDk = kDnMaxRows * kDnRowGroups;
+
+__global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_constant__ DeltaNetParams p) {
+  const int h = blockIdx.x, cb = blockIdx.y;
+  const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
+  const int dk = p.dk, dv = p.dv, nk = p.nk, nv = p.nv, K = p.K;
+  const int ratio = nv / nk, kh = h / ratio;
+  const int C = 2 * nk * dk + nv * dv;
+  float* S = p.state + size_t(h) * dk * dv + cb * kDnCols;  // row i at S[i * dv + j]
+  // The state slice only depends on this layer's previous step: load it
+  // before the predecessor kernel (the in_proj) has finished.
+  const int nr = dk / kDnRowGroups;
+  float sr[kDnMaxRows];
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) sr[r] = S[size_t(qg + kDnRowGroups * r) * dv + j];
+  pdl_wait();
+  pdl_launch_dependents();
+
+  __shared__ float qs[kDnMaxDk], ks[kDnMaxDk], vs[kDnCols];
+  __shared__ float red[kDnRowGroups][kDnCols];
+  __shared__ float scratch[32];
+  const int pos = p.ctrl->pos;
+  const bool own_qk = (h % ratio) == 0 && cb == 0;
+  for (int i = tid; i < 2 * dk + kDnCols; i += kDnThreads) {
+    int ch;
+    if (i < dk) ch = kh * dk + i;
+    else if (i < 2 * dk) ch = nk * dk + kh * dk + (i - dk);
+    else ch = 2 * nk * dk + h * dv + cb * kDnCols + (i - 2 * dk);
+    const float xt = p.proj[ch];
+    const float* w = p.conv_w + size_t(ch) * K;
+    float* ring = p.conv_ring + size_t(ch) * K;
+    float s = 0.f;
+    for (int t = 0; t < K - 1; ++t) s += w[t] * ring[(pos + 1 + t) % K];
+    s += w[K - 1] * xt;
+    const float y = silu(s);
+    if (i < dk) qs[i] = y;
+    else if (i < 2 * dk) ks[i - dk] = y;
+    else vs[i - 2 * dk] = y;
+    if (i >= 2 * dk || own_qk) ring[pos % K] = xt;
+  }
+  __syncthreads();
+  float sq = 0.f, sk = 0.f;
+  for (int i = tid; i < dk; i += kDnThreads) {
+    sq = fmaf(qs[i], qs[i], sq);
+    sk = fmaf(ks[i], ks[i], sk);
+  }
+  sq = block_sum(sq, scratch);
+  sk = block_sum(sk, scratch);
+  const float qinv = (1.f / sqrtf(sq + 1e-6f)) * (1.f / sqrtf(static_cast<float>(dk)));
+  const float kinv = 1.f / sqrtf(sk + 1e-6f);
+  __syncthreads();
+  for (int i = tid; i < dk; i += kDnThreads) {
+    qs[i] *= qinv;
+    ks[i] *= kinv;
+  }
+  const float b = p.proj[C + nv * dv + h], a = p.proj[C + nv * dv + nv + h];
+  const float beta = sigmoid(b);
+  const float g = -expf(p.a_log[h]) * softplus(a + p.dt_bias[h]);
+  const float decay = expf(g);
+  __syncthreads();
+
+  float kv = 0.f;
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) {
+      sr[r] *= decay;
+      kv = fmaf(sr[r], ks[qg + kDnRowGroups * r], kv);
+    }
+  red[qg][j] = kv;
+  __syncthreads();
+  float kvt = 0.f;
+#pragma unroll
+  for (int q = 0; q < kDnRowGroups; ++q) kvt += red[q][j];
+  const float delta = (vs[j] - kvt) * beta;
+  float o = 0.f;
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) {
+      const int i = qg + kDnRowGroups * r;
+      sr[r] = fmaf(ks[i], delta, sr[r]);
+      S[size_t(i) * dv + j] = sr[r];
+      o = fmaf(sr[r], qs[i], o);
+    }
+  __syncthreads();
+  red[qg][j] = o;
+  __syncthreads();
+  if (qg == 0) {
+    float ot = 0.f;
+#pragma unroll
+    for (int q = 0; q < kDnRowGroups; ++q) ot += red[q][j];
+    p.out[size_t(h) * dv + cb * kDnCols + j] = ot;
+  }
+}
+
+}  // namespace
+
+void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl) {
+  if (p.dv % kDnCols != 0) fail("deltanet: value head dim ", p.dv, " is not a multiple of ", kDnCols);
+  if (p.dk % kDnRowGroups != 0 || p.dk > kDnMaxDk)
+    fail("deltanet: key head dim ", p.dk, " must be a multiple of 4 and at most ", kDnMaxDk);
+  if (p.nv % p.nk != 0) fail("deltanet: value heads not a multiple of key heads");
+  launch_kernel("deltanet_step", deltanet_step_kernel, dim3(p.nv, p.dv / kDnCols), dim3(kDnThreads), 0,
+                s, pdl, p);
+}
+
+}  // namespace lily::cuda

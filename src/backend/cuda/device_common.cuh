@@ -1,0 +1,222 @@
+// Device helpers shared by the decode kernels: programmatic-dependent-launch
+// controls, streaming loads, dequantization of one 16-byte chunk against the
+// staged input, and warp / block reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/cuda_util.h"
+
+namespace lily::cuda {
+
+// Programmatic dependent launch: a kernel launched with the PDL attribute may
+// start before its predecessor ends; it must wait before touching anything the
+// predecessor writes. Without the attribute both are no-ops.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Weights are read once per step: bypass L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ld_stream(const uint32_t* p) {
+  uint32_t r;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds >= 32
+// floats. Deterministic.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? scratch[lane] : 0.f;
+  return warp_sum(t);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? scratch[lane] : -INFINITY;
+  return warp_max(t);
+}
+
+// ---- chunk formats ------------------------------------------------------------
+// A 16-byte chunk covers FPC inputs = PPC float4 "pieces" of the staged input.
+// The staged input lives in shared memory as float4 pieces, chunk-major, with
+// the piece index XOR-swizzled by the chunk index so that the 8 lanes of a
+// quarter-warp (consecutive chunks, same piece) hit 8 different bank groups.
+template <QFmt F>
+struct ChunkFmt {
+  static constexpr int FPC = floats_per_chunk(F);
+  static constexpr int PPC = FPC / 4;
+  static constexpr bool affine = F == QFmt::Q4 || F == QFmt::Q8;
+  __device__ static __forceinline__ int swz(int c) {
+    if constexpr (PPC == 1) return 0;
+    else return (c / (8 / PPC)) & (PPC - 1);
+  }
+  // Shared-memory float index of input element `i` of chunk-item `c`.
+  __device__ static __forceinline__ int slot(int c, int within) {
+    return (c * PPC + ((within >> 2) ^ swz(c))) * 4 + (within & 3);
+  }
+};
+
+// 2^23 + byte as a float, minus 2^23: an exact small integer without I2F.
+__device__ __forceinline__ float byte_f(uint32_t v, uint32_t sel) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
+}
+
+// d[r] = sum over the chunk of code (affine) or value (float) times x, for R
+// rows that share the chunk index c (and so the staged input).
+template <QFmt F, int R>
+__device__ __forceinline__ void chunk_dot(const uint4 (&w)[R], const float4* xs, int c,
+                                          float (&d)[R]) {
+  using CF = ChunkFmt<F>;
+  const float4* b = xs + c * CF::PPC;
+  const int sw = CF::swz(c);
+#pragma unroll
+  for (int r = 0; r < R; ++r) d[r] = 0.f;
+  if constexpr (F == QFmt::Q4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 xa = b[(2 * i) ^ sw], xb = b[(2 * i + 1) ^ sw];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t word = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
+        const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+        float a0 = byte_f(lo, 0x7650) * xa.x;
+        float a1 = byte_f(hi, 0x7650) * xa.y;
+        a0 = fmaf(byte_f(lo, 0x7651), xa.z, a0);
+        a1 = fmaf(byte_f(hi, 0x7651), xa.w, a1);
+        a0 = fmaf(byte_f(lo, 0x7652), xb.x, a0);
+        a1 = fmaf(byte_f(hi, 0x7652), xb.y, a1);
+        a0 = fmaf(byte_f(lo, 0x7653), xb.z, a0);
+        a1 = fmaf(byte_f(hi, 0x7653), xb.w, a1);
+        d[r] += a0 + a1;
+      }
+    }
+  } else if constexpr (F == QFmt::Q8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 xa = b[i ^ sw];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t word = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
+        float a0 = byte_f(word, 0x7650) * xa.x;
+        float a1 = byte_f(word, 0x7651) * xa.y;
+        a0 = fmaf(byte_f(word, 0x7652), xa.z, a0);
+        a1 = fmaf(byte_f(word, 0x7653), xa.w, a1);
+        d[r] += a0 + a1;
+      }
+    }
+  } else if constexpr (F == QFmt::BF16) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float4 xa = b[i ^ sw];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t w0 = i == 0 ? w[r].x : w[r].z, w1 = i == 0 ? w[r].y : w[r].w;
+        float a0 = __uint_as_float(w0 << 16) * xa.x;
+        float a1 = __uint_as_float(w0 & 0xFFFF0000u) * xa.y;
+        a0 = fmaf(__uint_as_float(w1 << 16), xa.z, a0);
+        a1 = fmaf(__uint_as_float(w1 & 0xFFFF0000u), xa.w, a1);
+        d[r] += a0 + a1;
+      }
+    }
+  } else {
+    const float4 xa = b[0];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float a0 = __uint_as_float(w[r].x) * xa.x;
+      float a1 = __uint_as_float(w[r].y) * xa.y;
+      a0 = fmaf(__uint_as_float(w[r].z), xa.z, a0);
+      a1 = fmaf(__uint_as_float(w[r].w), xa.w, a1);
+      d[r] = a0 + a1;
+    }
+  }
+}
+
+// (scale, bias) of one affine group.
+__device__ __forceinline__ float2 decode_sb(uint32_t v, int f16) {
+  if (f16) {
+    __half2 h;
+    memcpy(&h, &v, 4);
+    return __half22float2(h);
+  }
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+}
+
+// Orders floats as unsigned integers (larger float -> larger key).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
+  uint32_t b = __float_as_uint(v);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(b) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(idx));
+}
+__device__ __forceinline__ int argmax_key_index(unsigned long long k) {
+  return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(k & 0xFFFFFFFFull));
+}
+
+// Launch with (optionally) the programmatic-stream-serialization attribute.
+template <typename... KArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                   size_t smem, cudaStream_t s, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess)
+    fail("CUDA error launching ", name, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+}
+
+inline int device_sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    LILY_CUDA(cudaGetDevice(&dev));
+    LILY_CUDA(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+}  // namespace lily::cuda

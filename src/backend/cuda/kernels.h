@@ -1,0 +1,191 @@
+// The CUDA decode kernels' host interface: plain parameter structs and one
+// launch function per kernel family. The kernels live in the .cu files next
+// to this header; the backend (cuda_backend.cpp) and the tests
+// (tests/cuda_kernels_test.cpp) call them through these functions.
+//
+// Weight layout on the device (see weights_upload.h): every matrix row is a
+// run of 16-byte chunks (codes for affine formats, values for float formats),
+// padded with zeros to a whole chunk; affine scale and bias of one group are
+// interleaved in one u32 (scale in the low half, bias in the high half, both
+// bf16 or both f16), [rows][groups].
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lily::cuda {
+
+enum class QFmt : int { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
+
+// Inputs (floats) covered by one 16-byte chunk of a row.
+constexpr int floats_per_chunk(QFmt f) {
+  return f == QFmt::Q4 ? 32 : f == QFmt::Q8 ? 16 : f == QFmt::BF16 ? 8 : 4;
+}
+const char* qfmt_name(QFmt f);
+
+// A matrix as the kernels read it (non-owning).
+struct DevMatView {
+  QFmt fmt = QFmt::F32;
+  int rows = 0, cols = 0;
+  int chunks = 0;            // 16-byte chunks per row
+  int groups = 0;            // affine groups per row (0 for float formats)
+  int chunks_per_group = 0;  // affine only
+  int sb_f16 = 0;            // scale/bias halves are f16 (else bf16)
+  const uint4* w = nullptr;
+  const uint32_t* sb = nullptr;
+  size_t bytes() const { return size_t(rows) * chunks * 16 + size_t(rows) * groups * 4; }
+};
+
+// Per-sequence control block in device memory. The decode graph reads the
+// position and the input token from here, so one captured graph serves every
+// step.
+struct DecodeCtrl {
+  int pos;         // position of the token this step processes
+  int token;       // input token (host-written, or taken from argmax_key)
+  int use_argmax;  // 1: the input token is the previous step's greedy argmax
+  int pad;
+  unsigned long long argmax_key;  // (ordered logit bits << 32) | ~index; 0 = none
+};
+
+// ---- matvec: y = W x for a few matrices that share the input ------------------
+constexpr int kMaxJobs = 12;
+constexpr int kMatvecThreads = 256;
+constexpr int kRowsPerTile = 16;  // 8 warps x 2 rows
+
+enum class Prologue : int {
+  None = 0,       // x as given
+  Norm = 1,       // x / rms(x) * norm_w          (one segment: seg = cols)
+  GatedNorm = 2,  // per segment of seg: x / rms(x_seg) * norm_w[i % seg] * silu(gate_z[i])
+};
+enum class Epilogue : int {
+  Store = 0,   // out[r] = y
+  Add = 1,     // out[r] += y   (residual)
+  SwiGLU = 2,  // rows interleaved gate/up: out[r / 2] = silu(y[r]) * y[r + 1]
+};
+enum class Finish : int { None = 0, RouterTopK = 1, LmHead = 2 };
+
+struct MatvecJob {
+  const uint4* w = nullptr;
+  const uint32_t* sb = nullptr;
+  int rows = 0;
+  const int* expert = nullptr;   // non-null: use expert *expert of a stack
+  long long w_expert_stride = 0;   // uint4 per expert
+  long long sb_expert_stride = 0;  // u32 per expert
+  float* out = nullptr;
+};
+
+// Last block of a router launch: softmax over the expert logits, top-k (ties
+// to the lower index), optional renormalisation, shared-expert gate sigmoid.
+struct RouterFinish {
+  const float* logits = nullptr;
+  int experts = 0, k = 0, norm_topk = 1;
+  const float* shared_gate_logit = nullptr;  // null: no shared expert
+  int* sel_idx = nullptr;                    // [k]
+  float* sel_w = nullptr;                    // [k] (+1: shared gate)
+};
+
+struct MatvecParams {
+  QFmt fmt = QFmt::F32;
+  int cols = 0, chunks = 0, groups = 0, chunks_per_group = 0, sb_f16 = 0;
+  int njobs = 0;
+  MatvecJob jobs[kMaxJobs];
+  const float* x = nullptr;
+  Prologue pro = Prologue::None;
+  const float* norm_w = nullptr;
+  const float* gate_z = nullptr;
+  int seg = 0;
+  float eps = 1e-6f;
+  Epilogue epi = Epilogue::Store;
+  int argmax = 0;  // fold each stored row into ctrl->argmax_key
+  Finish fin = Finish::None;
+  unsigned* counter = nullptr;  // zero between launches; the last block resets it
+  RouterFinish router;
+  DecodeCtrl* ctrl = nullptr;  // argmax / LmHead: argmax_key, pos += 1 at the end
+};
+void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
+
+// ---- MoE down projection + weighted sum over experts, added to out -----------
+struct MoeDownJob {
+  const uint4* w = nullptr;
+  const uint32_t* sb = nullptr;
+  const int* expert = nullptr;  // non-null: expert *expert of the stack
+  long long w_expert_stride = 0, sb_expert_stride = 0;
+  const float* x = nullptr;     // [cols] input of this expert
+  const float* coef = nullptr;  // device scalar weight (null: 1)
+};
+struct MoeDownParams {
+  QFmt fmt = QFmt::F32;
+  int cols = 0, chunks = 0, groups = 0, chunks_per_group = 0, sb_f16 = 0;
+  int rows = 0;
+  int njobs = 0;
+  MoeDownJob jobs[kMaxJobs];
+  float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
+};
+void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
+
+// ---- Gated DeltaNet decode step ---------------------------------------------
+// proj: in_proj outputs [qkv C | z vdim | b nv | a nv]. conv_ring: [C][K] raw
+// inputs by position % K. state: [nv][dk][dv] f32. out: [nv * dv], before the
+// gated RMSNorm (the out_proj prologue applies it).
+struct DeltaNetParams {
+  const float* proj = nullptr;
+  float* conv_ring = nullptr;
+  const float* conv_w = nullptr;  // [C][K]
+  float* state = nullptr;
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+  float* out = nullptr;
+  const DecodeCtrl* ctrl = nullptr;
+  int nk = 0, nv = 0, dk = 0, dv = 0, K = 0;
+};
+void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl);
+
+// ---- Gated attention decode: split over the context, then combine -----------
+// qkv: [q heads x q_head_stride | k nkv x hd | v nkv x hd] (q head: query
+// then, when gated, the gate). Caches [nkv][capacity][hd], f32 or bf16.
+struct AttentionParams {
+  const float* qkv = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float eps = 1e-6f;
+  const float* inv_freq = nullptr;  // [rotary_dim / 2]
+  int rotary_dim = 0;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int kv_bf16 = 1;
+  int capacity = 0;
+  float* part_o = nullptr;   // [nh][max_splits][hd]
+  float* part_ml = nullptr;  // [nh][max_splits][2]
+  int max_splits = 0;
+  const DecodeCtrl* ctrl = nullptr;
+  int nh = 0, nkv = 0, hd = 0, q_head_stride = 0, gated = 0;
+  float* out = nullptr;  // combine: [nh * hd], times sigmoid(gate) when gated
+};
+void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl);
+void launch_attention_combine(const AttentionParams& p, cudaStream_t s, bool pdl);
+// Positions per split for a context of n positions (shared by both kernels).
+int attention_split_len_host(int n, int max_splits);
+
+// ---- Embedding lookup (the first kernel of a step) ---------------------------
+struct EmbedParams {
+  DevMatView m;
+  DecodeCtrl* ctrl = nullptr;
+  float* x = nullptr;
+};
+void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl);
+
+// SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
+double measure_sm_clock_mhz(cudaStream_t s);
+
+// ---- Random fills for synthetic models and benchmark caches ------------------
+void fill_random_u32(uint32_t* p, size_t n, uint64_t seed, cudaStream_t s);
+// u32 = (bf16 scale) | (bf16 bias) << 16 with scale ~ scale * (1 +- jitter),
+// bias = bias_per_scale * scale.
+void fill_random_scale_bias(uint32_t* p, size_t n, float scale, float jitter,
+                            float bias_per_scale, uint64_t seed, cudaStream_t s);
+void fill_random_f32(float* p, size_t n, float lo, float hi, uint64_t seed, cudaStream_t s);
+void fill_random_bf16(uint16_t* p, size_t n, float lo, float hi, uint64_t seed, cudaStream_t s);
+
+}  // namespace lily::cuda

@@ -1,0 +1,610 @@
+// Decode matvec (one input vector) over weights in their stored format, and
+// the MoE down projection with its weighted sum over experts.
+//
+// One block stages the input once in shared memory (applying the fused
+// RMSNorm / gated RMSNorm), then streams whole rows: each warp owns two rows
+// at a time, each lane a 16-byte chunk of both rows per step, so every load is
+// 16 bytes wide and a warp reads 512 contiguous bytes of a row per
+// instruction. Codes are turned into floats in registers (byte_perm against
+// 2^23), and an affine group contributes scale * sum(q x) + bias * sum(x)
+// with sum(x) of each chunk precomputed at staging.
+#include <cfloat>
+
+#include "backend/cuda/device_common.cuh"
+
+namespace lily::cuda {
+
+const char* qfmt_name(QFmt f) {
+  switch (f) {
+    case QFmt::Q4: return "q4";
+    case QFmt::Q8: return "q8";
+    case QFmt::BF16: return "bf16";
+    case QFmt::F32: return "f32";
+  }
+  return "?";
+}
+
+namespace {
+
+
+// Shared memory of a matvec block (floats): staged x, per-chunk sums, the raw
+// input (prologue scratch) and per-segment inverse RMS.
+struct MatvecSmem {
+  int xs, xsum, raw, seginv, total;
+};
+__host__ __device__ inline MatvecSmem matvec_smem_layout(int chunks, int fpc, int cols, int nseg) {
+  MatvecSmem l;
+  l.xs = 0;
+  l.xsum = chunks * fpc;
+  l.raw = l.xsum + ((chunks + 3) & ~3);
+  l.seginv = l.raw + ((cols + 3) & ~3);
+  l.total = l.seginv + ((nseg + 3) & ~3);
+  return l;
+}
+
+__device__ __forceinline__ int job_tiles(int rows) { return (rows + kRowsPerTile - 1) / kRowsPerTile; }
+
+template <QFmt F>
+__device__ void stage_input(const MatvecParams& p, float* smem, const MatvecSmem& L) {
+  using CF = ChunkFmt<F>;
+  __shared__ float scratch[32];
+  const int tid = threadIdx.x, nthr = blockDim.x;
+  const int cols = p.cols;
+  float* raw = smem + L.raw;
+  float* seginv = smem + L.seginv;
+  float ss = 0.f;
+  if ((cols & 3) == 0) {
+    const float4* x4 = reinterpret_cast<const float4*>(p.x);
+    for (int i = tid; i < cols / 4; i += nthr) {
+      const float4 v = x4[i];
+      reinterpret_cast<float4*>(raw)[i] = v;
+      ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+    }
+  } else {
+    for (int i = tid; i < cols; i += nthr) {
+      const float v = p.x[i];
+      raw[i] = v;
+      ss = fmaf(v, v, ss);
+    }
+  }
+  if (p.pro != Prologue::None) {
+    const int seg = p.seg, nseg = cols / seg;
+    if (nseg == 1) {
+      // One segment (the input RMSNorm): every thread's partial, one block sum.
+      ss = block_sum(ss, scratch);
+      if (tid == 0) seginv[0] = 1.f / sqrtf(ss / static_cast<float>(seg) + p.eps);
+    } else {
+      __syncthreads();
+      const int lane = tid & 31, warp = tid >> 5, nw = nthr >> 5;
+      for (int s = warp; s < nseg; s += nw) {
+        float q = 0.f;
+        for (int i = lane; i < seg; i += 32) {
+          const float v = raw[s * seg + i];
+          q = fmaf(v, v, q);
+        }
+        q = warp_sum(q);
+        if (lane == 0) seginv[s] = 1.f / sqrtf(q / static_cast<float>(seg) + p.eps);
+      }
+    }
+  }
+  __syncthreads();
+  const int n = p.chunks * CF::FPC;
+  for (int i = tid; i < n; i += nthr) {
+    float v = 0.f;
+    if (i < cols) {
+      v = raw[i];
+      if (p.pro != Prologue::None) {
+        const int s = i / p.seg;
+        v = v * seginv[s] * p.norm_w[i - s * p.seg];
+        if (p.gate_z) v *= silu(p.gate_z[i]);
+      }
+    }
+    const int c = i / CF::FPC;
+    smem[L.xs + CF::slot(c, i - c * CF::FPC)] = v;
+  }
+  __syncthreads();
+  if constexpr (CF::affine) {
+    const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
+    for (int c = tid; c < p.chunks; c += nthr) {
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < CF::PPC; ++q) {
+        const float4 v = xs[c * CF::PPC + q];
+        s += (v.x + v.y) + (v.z + v.w);
+      }
+      smem[L.xsum + c] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// Softmax, top-k, renormalisation over the router logits; run by the last
+// block of the router launch. Ties go to the lower expert index (the CPU
+// reference sorts by probability, then index).
+__device__ void router_finish(const RouterFinish& r, float* sm) {
+  const int tid = threadIdx.x, nthr = blockDim.x;
+  const int E = r.experts, k = r.k;
+  float* p = sm;                 // [E]
+  float* top_p = sm + E;         // [k]
+  int* top_i = reinterpret_cast<int*>(sm + E + k);  // [k]
+  __shared__ float scratch[32];
+  float mx = -INFINITY;
+  for (int e = tid; e < E; e += nthr) {
+    p[e] = __ldcg(r.logits + e);
+    mx = fmaxf(mx, p[e]);
+  }
+  mx = block_max(mx, scratch);
+  float sum = 0.f;
+  for (int e = tid; e < E; e += nthr) {
+    p[e] = expf(p[e] - mx);
+    sum += p[e];
+  }
+  sum = block_sum(sum, scratch);
+  for (int e = tid; e < E; e += nthr) p[e] /= sum;
+  __syncthreads();
+  for (int e = tid; e < E; e += nthr) {
+    const float v = p[e];
+    int rank = 0;
+    int o = 0;
+    for (; o + 4 <= E; o += 4) {
+      const float4 u = *reinterpret_cast<const float4*>(p + o);
+      rank += (u.x > v) || (u.x == v && o < e);
+      rank += (u.y > v) || (u.y == v && o + 1 < e);
+      rank += (u.z > v) || (u.z == v && o + 2 < e);
+      rank += (u.w > v) || (u.w == v && o + 3 < e);
+    }
+    for (; o < E; ++o) {
+      const float u = p[o];
+      rank += (u > v) || (u == v && o < e);
+    }
+    if (rank < k) {
+      top_p[rank] = v;
+      top_i[rank] = e;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float top = 0.f;
+    for (int j = 0; j < k; ++j) top += top_p[j];
+    for (int j = 0; j < k; ++j) {
+      r.sel_idx[j] = top_i[j];
+      r.sel_w[j] = r.norm_topk ? top_p[j] / top : top_p[j];
+    }
+    if (r.shared_gate_logit) r.sel_w[k] = sigmoid(__ldcg(r.shared_gate_logit));
+  }
+}
+
+// The rows a warp owns in tile t (two rows; pointers valid even when the
+// rows are past the job's end, where `valid` is false).
+struct TileRows {
+  const uint4* w0;
+  const uint4* w1;
+  const uint32_t* s0;
+  const uint32_t* s1;
+  float* out;
+  int r0, valid, has_b;
+};
+
+__device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base) {
+  int j = 0, b = 0;
+  while (j + 1 < p.njobs && t >= b + job_tiles(p.jobs[j].rows)) b += job_tiles(p.jobs[j++].rows);
+  *base = b;
+  return j;
+}
+
+template <bool kAffine>
+__device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int warp) {
+  int base;
+  const int j = tile_job(p, t, &base);
+  const MatvecJob& J = p.jobs[j];
+  TileRows tr;
+  tr.r0 = (t - base) * kRowsPerTile + warp * 2;
+  tr.valid = tr.r0 < J.rows;
+  tr.has_b = tr.r0 + 1 < J.rows;
+  tr.out = J.out;
+  const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
+  const uint4* wb = J.w;
+  const uint32_t* sb = J.sb;
+  if (J.expert) {
+    const long long e = *J.expert;
+    wb += e * J.w_expert_stride;
+    if (kAffine) sb += e * J.sb_expert_stride;
+  }
+  tr.w0 = wb + size_t(r0) * p.chunks;
+  tr.w1 = wb + size_t(rb) * p.chunks;
+  tr.s0 = kAffine ? sb + size_t(r0) * p.groups : nullptr;
+  tr.s1 = kAffine ? sb + size_t(rb) * p.groups : nullptr;
+  return tr;
+}
+
+// One step of a warp: two rows x two chunks (c0 and c0 + 32) per lane.
+struct ItemRegs {
+  uint4 w[2][2];      // [chunk][row]
+  uint32_t s[2][2];   // [chunk][row]
+};
+
+template <bool kAffine>
+__device__ __forceinline__ void load_item(const TileRows& tr, int c0, int chunks, int cpg, ItemRegs& it) {
+  if (!tr.valid) return;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < chunks) {
+      it.w[u][0] = ld_stream(tr.w0 + c);
+      it.w[u][1] = ld_stream(tr.w1 + c);
+      if (kAffine) {
+        it.s[u][0] = ld_stream(tr.s0 + c / cpg);
+        it.s[u][1] = ld_stream(tr.s1 + c / cpg);
+      }
+    }
+  }
+}
+
+template <QFmt F>
+__device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chunks, int sb_f16,
+                                             const float4* xs, const float* xsum, float (&acc)[2]) {
+  using CF = ChunkFmt<F>;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < chunks) {
+      float d[2];
+      chunk_dot<F, 2>(it.w[u], xs, c, d);
+      if constexpr (CF::affine) {
+        const float xsc = xsum[c];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float2 sb = decode_sb(it.s[u][r], sb_f16);
+          acc[r] = fmaf(sb.x, d[r], fmaf(sb.y, xsc, acc[r]));
+        }
+      } else {
+        acc[0] += d[0];
+        acc[1] += d[1];
+      }
+    }
+  }
+}
+
+template <QFmt F>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
+  using CF = ChunkFmt<F>;
+  extern __shared__ __align__(16) float smem[];
+  const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
+  const MatvecSmem L = matvec_smem_layout(p.chunks, CF::FPC, p.cols, nseg);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunks = p.chunks;
+
+  int total = 0;
+  for (int j = 0; j < p.njobs; ++j) total += job_tiles(p.jobs[j].rows);
+  const int per_block = (total + gridDim.x - 1) / gridDim.x;
+  const int t_begin = blockIdx.x * per_block;
+  const int t_end = min(total, t_begin + per_block);
+  // A warp walks (tile, chunk step) items; the next item's loads are issued
+  // before the current one is computed, and the first item's before the
+  // predecessor kernel has even finished (weights do not depend on it).
+  const int niter = (chunks + 63) / 64;
+  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
+  ItemRegs cur, nxt;
+  TileRows tr_cur, tr_nxt;
+  bool first_loaded = false;
+  if (nq > 0) {
+    int base;
+    if (!p.jobs[tile_job(p, t_begin, &base)].expert) {
+      tr_cur = tile_rows<CF::affine>(p, t_begin, warp);
+      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+      first_loaded = true;
+    }
+    // And the block's second tile into L2.
+    if (t_begin + 1 < t_end) {
+      const int j = tile_job(p, t_begin + 1, &base);
+      const MatvecJob& J = p.jobs[j];
+      if (!J.expert) {
+        const int r0 = (t_begin + 1 - base) * kRowsPerTile;
+        const int nrows = min(kRowsPerTile, J.rows - r0);
+        const int lines_per_row = (chunks * 16 + 127) / 128;
+        for (int i = tid; i < nrows * lines_per_row; i += blockDim.x) {
+          const int r = r0 + i / lines_per_row, l = i % lines_per_row;
+          prefetch_l2(reinterpret_cast<const char*>(J.w + size_t(r) * chunks) + l * 128);
+        }
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  if (nq > 0 && !first_loaded) {
+    tr_cur = tile_rows<CF::affine>(p, t_begin, warp);
+    load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+  }
+
+  stage_input<F>(p, smem, L);
+  const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
+  const float* xsum = smem + L.xsum;
+
+  float best_v = -INFINITY;
+  int best_i = 0x7fffffff;
+  float acc[2] = {0.f, 0.f};
+  for (int q = 0; q < nq; ++q) {
+    const int tl = q / niter, k = q - tl * niter;
+    if (q + 1 < nq) {
+      const int tl1 = (q + 1) / niter, k1 = q + 1 - tl1 * niter;
+      tr_nxt = k1 == 0 ? tile_rows<CF::affine>(p, t_begin + tl1, warp) : tr_cur;
+      load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, p.chunks_per_group, nxt);
+    }
+    if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
+    if (k == niter - 1 && tr_cur.valid) {
+      acc[0] = warp_sum(acc[0]);
+      acc[1] = warp_sum(acc[1]);
+      const int r0 = tr_cur.r0;
+      const bool has_b = tr_cur.has_b;
+      if (lane == 0) {
+        float* out = tr_cur.out;
+        switch (p.epi) {
+          case Epilogue::Store:
+            out[r0] = acc[0];
+            if (has_b) out[r0 + 1] = acc[1];
+            break;
+          case Epilogue::Add:
+            out[r0] += acc[0];
+            if (has_b) out[r0 + 1] += acc[1];
+            break;
+          case Epilogue::SwiGLU:
+            out[r0 >> 1] = silu(acc[0]) * acc[1];
+            break;
+        }
+        if (p.argmax) {
+          if (acc[0] > best_v || (acc[0] == best_v && r0 < best_i)) {
+            best_v = acc[0];
+            best_i = r0;
+          }
+          if (has_b && (acc[1] > best_v || (acc[1] == best_v && r0 + 1 < best_i))) {
+            best_v = acc[1];
+            best_i = r0 + 1;
+          }
+        }
+      }
+    }
+    if (k == niter - 1) {
+      acc[0] = 0.f;
+      acc[1] = 0.f;
+    }
+    cur = nxt;
+    tr_cur = tr_nxt;
+  }
+
+  if (p.argmax) {
+    __shared__ unsigned long long s_key[kMatvecThreads / 32];
+    if (lane == 0) s_key[warp] = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);
+    __syncthreads();
+    if (tid == 0) {
+      unsigned long long k = 0;
+      for (int w = 0; w < (int)(blockDim.x >> 5); ++w) k = max(k, s_key[w]);
+      if (k) atomicMax(&p.ctrl->argmax_key, k);
+    }
+  }
+  if (p.fin != Finish::None) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      if (p.fin == Finish::RouterTopK) {
+        router_finish(p.router, smem);
+      } else if (tid == 0) {
+        p.ctrl->pos += 1;
+      }
+      if (tid == 0) *p.counter = 0;
+    }
+  }
+}
+
+// out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
+// walks the (expert, chunk) items of both, so all experts' rows for one
+// output are summed in registers with no atomics.
+template <QFmt F>
+__global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
+  using CF = ChunkFmt<F>;
+  extern __shared__ __align__(16) float smem[];
+  __shared__ const uint4* s_w[kMaxJobs];
+  __shared__ const uint32_t* s_sb[kMaxJobs];
+  __shared__ float s_coef[kMaxJobs];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunks = p.chunks, items = p.njobs * chunks;
+  const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
+  const int per_block = (tiles + gridDim.x - 1) / gridDim.x;
+  const int t_begin = blockIdx.x * per_block, t_end = min(tiles, t_begin + per_block);
+
+  // Prefetch the rows of fixed (shared-expert) jobs of the first tile.
+  if (t_begin < t_end) {
+    const int r0 = t_begin * kRowsPerTile, nrows = min(kRowsPerTile, p.rows - r0);
+    const int lpr = (chunks * 16 + 127) / 128;
+    for (int j = 0; j < p.njobs; ++j) {
+      if (p.jobs[j].expert) continue;
+      for (int i = tid; i < nrows * lpr; i += blockDim.x)
+        prefetch_l2(reinterpret_cast<const char*>(p.jobs[j].w + size_t(r0 + i / lpr) * chunks) +
+                    (i % lpr) * 128);
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+
+  if (tid < p.njobs) {
+    const MoeDownJob& J = p.jobs[tid];
+    const long long e = J.expert ? *J.expert : 0;
+    s_w[tid] = J.w + e * J.w_expert_stride;
+    s_sb[tid] = CF::affine ? J.sb + e * J.sb_expert_stride : nullptr;
+    s_coef[tid] = J.coef ? *J.coef : 1.f;
+  }
+  // Stage every job's input, item = job * chunks + chunk.
+  const int cols = p.cols, per_job = chunks * CF::FPC;
+  for (int i = tid; i < p.njobs * per_job; i += blockDim.x) {
+    const int jj = i / per_job, within_job = i - jj * per_job;
+    const float v = within_job < cols ? p.jobs[jj].x[within_job] : 0.f;
+    const int item = jj * chunks + within_job / CF::FPC;
+    smem[CF::slot(item, within_job % CF::FPC)] = v;
+  }
+  __syncthreads();
+  float* xsum = smem + items * CF::FPC;
+  const float4* xs = reinterpret_cast<const float4*>(smem);
+  if constexpr (CF::affine) {
+    for (int c = tid; c < items; c += blockDim.x) {
+      float s = 0.f;
+#pragma unroll
+      for (int q = 0; q < CF::PPC; ++q) {
+        const float4 v = xs[c * CF::PPC + q];
+        s += (v.x + v.y) + (v.z + v.w);
+      }
+      xsum[c] = s;
+    }
+    __syncthreads();
+  }
+
+  // Items of a warp: (tile, step) with two (expert, chunk) items per lane per
+  // step; the next step's loads go out before the current one is computed.
+  const int niter = (items + 63) / 64;
+  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
+  auto load = [&](int q, uint4 (&w)[2][2], uint32_t (&sv)[2][2]) {
+    const int tl = q / niter, k = q - tl * niter;
+    const int r0 = (t_begin + tl) * kRowsPerTile + warp * 2;
+    if (r0 >= p.rows) return;
+    const int rb = r0 + 1 < p.rows ? r0 + 1 : r0;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int it = 64 * k + lane + 32 * u;
+      if (it < items) {
+        const int jj = it / chunks, c = it - jj * chunks;
+        const uint4* wj = s_w[jj];
+        w[u][0] = ld_stream(wj + size_t(r0) * chunks + c);
+        w[u][1] = ld_stream(wj + size_t(rb) * chunks + c);
+        if constexpr (CF::affine) {
+          const uint32_t* sj = s_sb[jj];
+          sv[u][0] = ld_stream(sj + size_t(r0) * p.groups + c / p.chunks_per_group);
+          sv[u][1] = ld_stream(sj + size_t(rb) * p.groups + c / p.chunks_per_group);
+        }
+      }
+    }
+  };
+  uint4 wc[2][2], wn[2][2];
+  uint32_t sc[2][2] = {{0, 0}, {0, 0}}, sn[2][2] = {{0, 0}, {0, 0}};
+  if (nq > 0) load(0, wc, sc);
+  float acc[2] = {0.f, 0.f};
+  for (int q = 0; q < nq; ++q) {
+    const int tl = q / niter, k = q - tl * niter;
+    const int r0 = (t_begin + tl) * kRowsPerTile + warp * 2;
+    if (q + 1 < nq) load(q + 1, wn, sn);
+    if (r0 < p.rows) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int it = 64 * k + lane + 32 * u;
+        if (it < items) {
+          float d[2];
+          chunk_dot<F, 2>(wc[u], xs, it, d);
+          const float coef = s_coef[it / chunks];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float v = d[r];
+            if constexpr (CF::affine) {
+              const float2 sb = decode_sb(sc[u][r], p.sb_f16);
+              v = fmaf(sb.x, d[r], sb.y * xsum[it]);
+            }
+            acc[r] = fmaf(coef, v, acc[r]);
+          }
+        }
+      }
+      if (k == niter - 1) {
+        acc[0] = warp_sum(acc[0]);
+        acc[1] = warp_sum(acc[1]);
+        if (lane == 0) {
+          p.out[r0] += acc[0];
+          if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
+        }
+        acc[0] = acc[1] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        wc[u][r] = wn[u][r];
+        sc[u][r] = sn[u][r];
+      }
+  }
+}
+
+template <typename Kernel>
+int max_blocks_per_sm(Kernel k, size_t smem) {
+  int n = 0;
+  LILY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kMatvecThreads, smem));
+  return n > 0 ? n : 1;
+}
+
+template <typename Kernel>
+void allow_big_smem(Kernel k) {
+  LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+}
+
+template <QFmt F>
+void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  static bool init = [] {
+    allow_big_smem(matvec_kernel<F>);
+    return true;
+  }();
+  (void)init;
+  const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
+  const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(F), p.cols, nseg);
+  size_t smem = size_t(L.total) * 4;
+  if (p.fin == Finish::RouterTopK)
+    smem = std::max(smem, size_t(p.router.experts + 2 * p.router.k + 4) * 4);
+  int tiles = 0;
+  for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
+  if (tiles == 0) return;
+  const int max_grid = device_sm_count() * max_blocks_per_sm(matvec_kernel<F>, smem);
+  const int per_block = (tiles + max_grid - 1) / max_grid;
+  const int grid = (tiles + per_block - 1) / per_block;
+  launch_kernel("matvec", matvec_kernel<F>, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+}
+
+template <QFmt F>
+void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
+  static bool init = [] {
+    allow_big_smem(moe_down_kernel<F>);
+    return true;
+  }();
+  (void)init;
+  const int items = p.njobs * p.chunks;
+  const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
+  const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
+  if (tiles == 0) return;
+  const int max_grid = device_sm_count() * max_blocks_per_sm(moe_down_kernel<F>, smem);
+  const int per_block = (tiles + max_grid - 1) / max_grid;
+  const int grid = (tiles + per_block - 1) / per_block;
+  launch_kernel("moe_down", moe_down_kernel<F>, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+}
+
+}  // namespace
+
+void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("matvec: ", p.njobs, " jobs (1..", kMaxJobs, ")");
+  if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
+    fail("matvec: norm segment ", p.seg, " does not divide ", p.cols, " inputs");
+  if (p.fin != Finish::None && !p.counter) fail("matvec: a finishing launch needs a counter");
+  switch (p.fmt) {
+    case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
+    case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
+    case QFmt::BF16: return launch_matvec_t<QFmt::BF16>(p, s, pdl);
+    case QFmt::F32: return launch_matvec_t<QFmt::F32>(p, s, pdl);
+  }
+}
+
+void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
+  if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
+  switch (p.fmt) {
+    case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);
+    case QFmt::Q8: return launch_moe_down_t<QFmt::Q8>(p, s, pdl);
+    case QFmt::BF16: return launch_moe_down_t<QFmt::BF16>(p, s, pdl);
+    case QFmt::F32: return launch_moe_down_t<QFmt::F32>(p, s, pdl);
+  }
+}
+
+}  // namespace lily::cuda

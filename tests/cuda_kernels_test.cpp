@@ -1,0 +1,554 @@
+// Each CUDA decode kernel against the CPU kernels on random inputs at sizes
+// that are not multiples of the tiles. Skipped when no GPU is present.
+#include <gtest/gtest.h>
+
+#ifdef LILY_HAVE_CUDA
+
+#include <numeric>
+
+#include "backend/cpu/attention.h"
+#include "backend/cpu/kernels.h"
+#include "backend/cuda/cuda_util.h"
+#include "backend/cuda/kernels.h"
+#include "backend/cuda/weights_upload.h"
+#include "core/thread_pool.h"
+#include "cuda_test_util.h"
+
+namespace lily {
+namespace {
+
+using cuda::DeviceBuffer;
+using test::random_matrix;
+using test::random_vec;
+using test::rel_err;
+
+ThreadPool& pool() {
+  static ThreadPool p(2);
+  return p;
+}
+
+template <typename T>
+DeviceBuffer to_device(const std::vector<T>& v) {
+  DeviceBuffer b;
+  cuda::upload(b, v.data(), v.size());
+  return b;
+}
+template <typename T>
+std::vector<T> to_host(const DeviceBuffer& b, size_t n) {
+  std::vector<T> v(n);
+  LILY_CUDA(cudaDeviceSynchronize());
+  LILY_CUDA(cudaMemcpy(v.data(), b.get(), n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+DeviceBuffer poisoned(size_t n) {  // NaN-filled f32 outputs: unwritten values show
+  DeviceBuffer b(n * 4);
+  LILY_CUDA(cudaMemset(b.get(), 0xff, n * 4));
+  return b;
+}
+
+std::vector<float> cpu_matvec(const Matrix& m, const std::vector<float>& x) {
+  std::vector<float> y(m.rows);
+  cpu::matmul(pool(), m, x.data(), 1, m.cols, y.data(), m.rows);
+  return y;
+}
+
+void fill_params(cuda::MatvecParams& p, const cuda::DevMatView& v) {
+  p.fmt = v.fmt;
+  p.cols = v.cols;
+  p.chunks = v.chunks;
+  p.groups = v.groups;
+  p.chunks_per_group = v.chunks_per_group;
+  p.sb_f16 = v.sb_f16;
+}
+
+struct FormatCase {
+  WeightFormat f;
+  int group;
+  DType sdt;
+  const char* name;
+};
+const FormatCase kFormats[] = {
+    {WeightFormat::Affine4, 64, DType::BF16, "q4g64"}, {WeightFormat::Affine4, 32, DType::BF16, "q4g32"},
+    {WeightFormat::Affine4, 128, DType::F16, "q4g128f16"}, {WeightFormat::Affine8, 64, DType::BF16, "q8g64"},
+    {WeightFormat::Affine8, 32, DType::F16, "q8g32f16"}, {WeightFormat::BF16, 0, DType::BF16, "bf16"},
+    {WeightFormat::F16, 0, DType::BF16, "f16"}, {WeightFormat::F32, 0, DType::BF16, "f32"},
+};
+
+TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(7);
+  for (const FormatCase& fc : kFormats) {
+    const bool affine = fc.f == WeightFormat::Affine4 || fc.f == WeightFormat::Affine8;
+    for (int cols : {384, 1152, 2816}) {
+      if (affine && cols % fc.group) continue;
+      SCOPED_TRACE(std::string(fc.name) + " cols " + std::to_string(cols));
+      // Three matrices sharing the input: rows not multiples of the tile.
+      auto a = random_matrix(fc.f, 77, cols, fc.group, fc.sdt, rng);
+      auto b = random_matrix(fc.f, 5, cols, fc.group, fc.sdt, rng);
+      auto c = random_matrix(fc.f, 130, cols, fc.group, fc.sdt, rng);
+      auto da = cuda::upload_matrix(a.m, 1), db = cuda::upload_matrix(b.m, 2), dc = cuda::upload_matrix(c.m, 3);
+      const auto x = random_vec(cols, rng), nw = random_vec(cols, rng, 0.5f, 1.5f), z = random_vec(cols, rng, -3, 3);
+      auto dx = to_device(x), dnw = to_device(nw), dz = to_device(z);
+      for (int pro = 0; pro < 3; ++pro) {
+        // Reference input after the prologue.
+        std::vector<float> xin = x;
+        const int seg = pro == 2 ? 64 : cols;
+        if (pro > 0) {
+          std::vector<float> segw(seg);
+          for (int s = 0; s < cols / seg; ++s) {
+            std::copy(nw.begin(), nw.begin() + seg, segw.begin());
+            cpu::rms_norm(&x[s * seg], segw.data(), seg, 1e-6f, &xin[s * seg]);
+          }
+          if (pro == 2)
+            for (int i = 0; i < cols; ++i) xin[i] *= cpu::silu(z[i]);
+        }
+        auto ya = cpu_matvec(a.m, xin), yb = cpu_matvec(b.m, xin), yc = cpu_matvec(c.m, xin);
+        auto oa = poisoned(77), ob = poisoned(5), oc = poisoned(130);
+        cuda::MatvecParams p;
+        fill_params(p, da.v);
+        p.njobs = 3;
+        const cuda::DevMat* ms[3] = {&da, &db, &dc};
+        DeviceBuffer* os[3] = {&oa, &ob, &oc};
+        for (int j = 0; j < 3; ++j) {
+          p.jobs[j].w = ms[j]->v.w;
+          p.jobs[j].sb = ms[j]->v.sb;
+          p.jobs[j].rows = ms[j]->v.rows;
+          p.jobs[j].out = os[j]->as<float>();
+        }
+        p.x = dx.as<float>();
+        p.pro = static_cast<cuda::Prologue>(pro);
+        p.norm_w = dnw.as<float>();
+        p.seg = seg;
+        p.gate_z = pro == 2 ? dz.as<float>() : nullptr;
+        p.eps = 1e-6f;
+        cuda::launch_matvec(p, nullptr, false);
+        EXPECT_LT(rel_err(to_host<float>(oa, 77), ya), 2e-5) << "prologue " << pro;
+        EXPECT_LT(rel_err(to_host<float>(ob, 5), yb), 2e-5) << "prologue " << pro;
+        EXPECT_LT(rel_err(to_host<float>(oc, 130), yc), 2e-5) << "prologue " << pro;
+      }
+    }
+  }
+}
+
+TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(11);
+  const int E = 5, I = 45, H = 320;
+  std::vector<test::HostMatrix> gates, ups;
+  for (int e = 0; e < E; ++e) {
+    gates.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+    ups.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+  }
+  cuda::MatPacker pk(gates[0].m, 2 * I * E);
+  for (int e = 0; e < E; ++e) pk.add_interleaved(gates[e].m, ups[e].m);
+  auto stack = pk.finish(1);
+  const auto x = random_vec(H, rng);
+  auto dx = to_device(x);
+  const std::vector<int> sel = {3, 0};
+  auto dsel = to_device(sel);
+  auto out = poisoned(2 * I);
+  cuda::MatvecParams p;
+  fill_params(p, stack.v);
+  p.njobs = 2;
+  for (int j = 0; j < 2; ++j) {
+    p.jobs[j].w = stack.v.w;
+    p.jobs[j].sb = stack.v.sb;
+    p.jobs[j].rows = 2 * I;
+    p.jobs[j].expert = dsel.as<int>() + j;
+    p.jobs[j].w_expert_stride = 2LL * I * stack.v.chunks;
+    p.jobs[j].sb_expert_stride = 2LL * I * stack.v.groups;
+    p.jobs[j].out = out.as<float>() + j * I;
+  }
+  p.x = dx.as<float>();
+  p.epi = cuda::Epilogue::SwiGLU;
+  cuda::launch_matvec(p, nullptr, false);
+  auto got = to_host<float>(out, 2 * I);
+  std::vector<float> want;
+  for (int e : sel) {
+    auto g = cpu_matvec(gates[e].m, x), u = cpu_matvec(ups[e].m, x);
+    for (int i = 0; i < I; ++i) want.push_back(cpu::silu(g[i]) * u[i]);
+  }
+  EXPECT_LT(rel_err(got, want), 2e-5);
+
+  // Add epilogue: out += W x.
+  auto m = random_matrix(WeightFormat::BF16, 99, H, 0, DType::BF16, rng);
+  auto dm = cuda::upload_matrix(m.m, 2);
+  const auto base = random_vec(99, rng);
+  auto dout = to_device(base);
+  cuda::MatvecParams q;
+  fill_params(q, dm.v);
+  q.njobs = 1;
+  q.jobs[0] = {dm.v.w, dm.v.sb, 99, nullptr, 0, 0, dout.as<float>()};
+  q.x = dx.as<float>();
+  q.epi = cuda::Epilogue::Add;
+  cuda::launch_matvec(q, nullptr, false);
+  auto y = cpu_matvec(m.m, x);
+  for (int i = 0; i < 99; ++i) y[i] += base[i];
+  EXPECT_LT(rel_err(to_host<float>(dout, 99), y), 2e-5);
+}
+
+// Router logits -> softmax -> top-k -> renormalise, as the CPU backend does.
+TEST(CudaMatvec, RouterTopKMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  for (int norm : {1, 0}) {
+    const int E = 37, k = 5, H = 256;
+    auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
+    auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
+    auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
+    const auto x = random_vec(H, rng, -3, 3), nw = random_vec(H, rng, 0.5f, 1.5f);
+    auto dx = to_device(x), dnw = to_device(nw);
+    auto logits = poisoned(E + 1), sel_w = poisoned(k + 1);
+    DeviceBuffer sel_idx(k * 4), counter(4);
+    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
+    cuda::MatvecParams p;
+    fill_params(p, dr.v);
+    p.njobs = 2;
+    p.jobs[0] = {dr.v.w, dr.v.sb, E, nullptr, 0, 0, logits.as<float>()};
+    p.jobs[1] = {dsg.v.w, dsg.v.sb, 1, nullptr, 0, 0, logits.as<float>() + E};
+    p.x = dx.as<float>();
+    p.pro = cuda::Prologue::Norm;
+    p.norm_w = dnw.as<float>();
+    p.seg = H;
+    p.fin = cuda::Finish::RouterTopK;
+    p.counter = counter.as<unsigned>();
+    p.router = {logits.as<float>(), E, k, norm, logits.as<float>() + E, sel_idx.as<int>(), sel_w.as<float>()};
+    cuda::launch_matvec(p, nullptr, false);
+    // CPU reference on the device's logits (routing is what is tested here).
+    auto lg = to_host<float>(logits, E + 1);
+    std::vector<float> xn(H);
+    cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
+    EXPECT_LT(rel_err(std::vector<float>(lg.begin(), lg.begin() + E), cpu_matvec(r.m, xn)), 2e-5);
+    std::vector<float> pr(lg.begin(), lg.begin() + E);
+    const float mx = *std::max_element(pr.begin(), pr.end());
+    float sum = 0;
+    for (float& v : pr) sum += (v = std::exp(v - mx));
+    for (float& v : pr) v /= sum;
+    std::vector<int> idx(E);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                      [&](int a, int b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+    float top = 0;
+    for (int j = 0; j < k; ++j) top += pr[idx[j]];
+    auto gi = to_host<int>(sel_idx, k);
+    auto gw = to_host<float>(sel_w, k + 1);
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(gi[j], idx[j]) << "slot " << j;
+      EXPECT_NEAR(gw[j], norm ? pr[idx[j]] / top : pr[idx[j]], 1e-6);
+    }
+    EXPECT_NEAR(gw[k], cpu::sigmoid(lg[E]), 1e-6);
+    EXPECT_EQ(to_host<unsigned>(counter, 1)[0], 0u) << "the last block resets the counter";
+  }
+}
+
+TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  const int V = 5003, H = 192;
+  auto m = random_matrix(WeightFormat::Affine4, V, H, 64, DType::BF16, rng);
+  auto dm = cuda::upload_matrix(m.m, 1);
+  const auto x = random_vec(H, rng);
+  auto dx = to_device(x);
+  auto out = poisoned(V);
+  cuda::DecodeCtrl h = {41, 0, 0, 0, 0};
+  DeviceBuffer ctrl(sizeof h), counter(4);
+  LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+  LILY_CUDA(cudaMemset(counter.get(), 0, 4));
+  cuda::MatvecParams p;
+  fill_params(p, dm.v);
+  p.njobs = 1;
+  p.jobs[0] = {dm.v.w, dm.v.sb, V, nullptr, 0, 0, out.as<float>()};
+  p.x = dx.as<float>();
+  p.argmax = 1;
+  p.fin = cuda::Finish::LmHead;
+  p.counter = counter.as<unsigned>();
+  p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+  cuda::launch_matvec(p, nullptr, false);
+  auto y = to_host<float>(out, V);
+  EXPECT_LT(rel_err(y, cpu_matvec(m.m, x)), 2e-5);
+  LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
+  const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
+  EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
+  EXPECT_EQ(h.pos, 42);
+}
+
+TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(3);
+  for (WeightFormat f : {WeightFormat::Affine4, WeightFormat::BF16}) {
+    const int E = 6, H = 77, I = 192, J = 4;
+    std::vector<test::HostMatrix> downs;
+    for (int e = 0; e < E; ++e) downs.push_back(random_matrix(f, H, I, 64, DType::BF16, rng));
+    cuda::MatPacker pk(downs[0].m, H * E);
+    for (auto& d : downs) pk.add_all(d.m);
+    auto stack = pk.finish(1);
+    auto shared = random_matrix(f, H, I, 64, DType::BF16, rng);
+    auto dshared = cuda::upload_matrix(shared.m, 2);
+    const std::vector<int> sel = {4, 1, 5};
+    const auto coef = random_vec(J, rng, 0.1f, 1.f);
+    const auto xs = random_vec(size_t(J) * I, rng);
+    const auto base = random_vec(H, rng);
+    auto dsel = to_device(sel), dcoef = to_device(coef), dxs = to_device(xs), dout = to_device(base);
+    cuda::MoeDownParams p;
+    p.fmt = stack.v.fmt;
+    p.cols = I;
+    p.chunks = stack.v.chunks;
+    p.groups = stack.v.groups;
+    p.chunks_per_group = stack.v.chunks_per_group;
+    p.rows = H;
+    p.njobs = J;
+    for (int j = 0; j < J; ++j) {
+      cuda::MoeDownJob& q = p.jobs[j];
+      const bool sh = j == J - 1;
+      q.w = sh ? dshared.v.w : stack.v.w;
+      q.sb = sh ? dshared.v.sb : stack.v.sb;
+      q.expert = sh ? nullptr : dsel.as<int>() + j;
+      q.w_expert_stride = 1LL * H * stack.v.chunks;
+      q.sb_expert_stride = 1LL * H * stack.v.groups;
+      q.x = dxs.as<float>() + j * I;
+      q.coef = dcoef.as<float>() + j;
+    }
+    p.out = dout.as<float>();
+    cuda::launch_moe_down(p, nullptr, false);
+    std::vector<float> want = base;
+    for (int j = 0; j < J; ++j) {
+      const Matrix& m = j == J - 1 ? shared.m : downs[sel[j]].m;
+      auto y = cpu_matvec(m, std::vector<float>(xs.begin() + j * I, xs.begin() + (j + 1) * I));
+      for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
+    }
+    EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
+  }
+}
+
+// Several decode steps of one DeltaNet layer against the CPU recurrence.
+TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(13);
+  struct Dims { int nk, nv, dk, dv, K; };
+  for (Dims d : {Dims{2, 4, 32, 32, 4}, Dims{3, 6, 128, 96, 4}, Dims{1, 3, 64, 64, 3}}) {
+    SCOPED_TRACE(std::to_string(d.dk) + "x" + std::to_string(d.dv));
+    const int C = 2 * d.nk * d.dk + d.nv * d.dv, V = d.nv * d.dv;
+    const auto conv_w = random_vec(size_t(C) * d.K, rng, -0.5f, 0.5f);
+    const auto a_log = random_vec(d.nv, rng, 0.f, 1.f), dt_bias = random_vec(d.nv, rng, -1, 1);
+    auto dconv_w = to_device(conv_w), dalog = to_device(a_log), ddt = to_device(dt_bias);
+    DeviceBuffer ring(size_t(C) * d.K * 4), state(size_t(V) * d.dk * 4), ctrl(sizeof(cuda::DecodeCtrl));
+    LILY_CUDA(cudaMemset(ring.get(), 0, ring.bytes()));
+    auto init_state = random_vec(size_t(V) * d.dk, rng, -0.1f, 0.1f);
+    LILY_CUDA(cudaMemcpy(state.get(), init_state.data(), init_state.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<float> S = init_state, conv_state(size_t(C) * (d.K - 1), 0.f);
+    for (int step = 0; step < 6; ++step) {
+      const auto proj = random_vec(size_t(C) + V + 2 * d.nv, rng, -2, 2);
+      auto dproj = to_device(proj);
+      auto out = poisoned(V);
+      cuda::DecodeCtrl h = {step, 0, 0, 0, 0};
+      LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+      cuda::DeltaNetParams p;
+      p.proj = dproj.as<float>();
+      p.conv_ring = ring.as<float>();
+      p.conv_w = dconv_w.as<float>();
+      p.state = state.as<float>();
+      p.a_log = dalog.as<float>();
+      p.dt_bias = ddt.as<float>();
+      p.out = out.as<float>();
+      p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+      p.nk = d.nk;
+      p.nv = d.nv;
+      p.dk = d.dk;
+      p.dv = d.dv;
+      p.K = d.K;
+      cuda::launch_deltanet_step(p, nullptr, false);
+      // CPU: as cpu_backend.cpp's deltanet_block for T = 1.
+      std::vector<float> conv(C);
+      const int keep = d.K - 1;
+      for (int ch = 0; ch < C; ++ch) {
+        std::vector<float> win(keep + 1);
+        for (int j = 0; j < keep; ++j) win[j] = conv_state[ch * keep + j];
+        win[keep] = proj[ch];
+        float s = 0;
+        for (int j = 0; j < d.K; ++j) s += conv_w[ch * d.K + j] * win[j];
+        conv[ch] = cpu::silu(s);
+        for (int j = 0; j < keep; ++j) conv_state[ch * keep + j] = win[1 + j];
+      }
+      for (int hh = 0; hh < 2 * d.nk; ++hh) {
+        float* q = &conv[hh * d.dk];
+        float ss = 0;
+        for (int i = 0; i < d.dk; ++i) ss += q[i] * q[i];
+        float inv = 1.f / std::sqrt(ss + 1e-6f);
+        if (hh < d.nk) inv *= 1.f / std::sqrt(static_cast<float>(d.dk));
+        for (int i = 0; i < d.dk; ++i) q[i] *= inv;
+      }
+      std::vector<float> o(V), beta(d.nv), g(d.nv);
+      for (int hh = 0; hh < d.nv; ++hh) {
+        beta[hh] = cpu::sigmoid(proj[C + V + hh]);
+        g[hh] = -std::exp(a_log[hh]) * cpu::softplus(proj[C + V + d.nv + hh] + dt_bias[hh]);
+      }
+      const int ratio = d.nv / d.nk;
+      for (int hh = 0; hh < d.nv; ++hh) {
+        const int kh = hh / ratio;
+        cpu::DeltaNetHeadIO io{&conv[kh * d.dk], 0, &conv[d.nk * d.dk + kh * d.dk], 0,
+                               &conv[2 * d.nk * d.dk + hh * d.dv], 0, &g[hh], &beta[hh], 0,
+                               &o[hh * d.dv], 0, 1, d.dk, d.dv};
+        cpu::deltanet_recurrent(io, &S[size_t(hh) * d.dk * d.dv]);
+      }
+      EXPECT_LT(rel_err(to_host<float>(out, V), o), 1e-5) << "step " << step;
+      EXPECT_LT(rel_err(to_host<float>(state, S.size()), S), 1e-5) << "step " << step;
+    }
+  }
+}
+
+// Attention over a random cache: GQA groups of 4, 8 and 12 heads, f32 and
+// bf16 caches, short and split contexts; checks the written K/V row too.
+TEST(CudaAttention, SplitDecodeMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(17);
+  struct Case { int hd, nh, nkv, rot; bool gated; };
+  for (Case cs : {Case{32, 4, 2, 8, true}, Case{128, 32, 4, 128, false}, Case{256, 16, 2, 64, true},
+                  Case{64, 24, 2, 32, true}}) {
+    for (bool bf : {false, true}) {
+      for (int n : {1, 37, 700, 5000}) {
+        SCOPED_TRACE("hd " + std::to_string(cs.hd) + " nh " + std::to_string(cs.nh) + " n " +
+                     std::to_string(n) + (bf ? " bf16" : " f32"));
+        const int hd = cs.hd, nh = cs.nh, nkv = cs.nkv, cap = n + 3, pos = n - 1;
+        const int qhs = hd * (cs.gated ? 2 : 1);
+        const auto qkv = random_vec(size_t(nh) * qhs + 2 * nkv * hd, rng, -2, 2);
+        const auto qn = random_vec(hd, rng, 0.5f, 1.5f), kn = random_vec(hd, rng, 0.5f, 1.5f);
+        std::vector<float> kc = random_vec(size_t(nkv) * cap * hd, rng), vc = random_vec(size_t(nkv) * cap * hd, rng);
+        auto round = [&](std::vector<float>& v) {
+          if (bf)
+            for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
+        };
+        round(kc);
+        round(vc);
+        DeviceBuffer dk, dv;
+        if (bf) {
+          std::vector<uint16_t> a(kc.size()), b(vc.size());
+          for (size_t i = 0; i < a.size(); ++i) {
+            a[i] = f32_to_bf16(kc[i]);
+            b[i] = f32_to_bf16(vc[i]);
+          }
+          dk = to_device(a);
+          dv = to_device(b);
+        } else {
+          dk = to_device(kc);
+          dv = to_device(vc);
+        }
+        std::vector<float> inv(cs.rot / 2);
+        for (int i = 0; i < cs.rot / 2; ++i)
+          inv[i] = static_cast<float>(1.0 / std::pow(1e6, (2.0 * i) / cs.rot));
+        const int max_splits = 128;
+        auto dqkv = to_device(qkv), dqn = to_device(qn), dkn = to_device(kn), dinv = to_device(inv);
+        DeviceBuffer part_o(size_t(nh) * max_splits * hd * 4), part_ml(size_t(nh) * max_splits * 8);
+        auto out = poisoned(size_t(nh) * hd);
+        cuda::DecodeCtrl h = {pos, 0, 0, 0, 0};
+        DeviceBuffer ctrl(sizeof h);
+        LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+        cuda::AttentionParams p;
+        p.qkv = dqkv.as<float>();
+        p.q_norm = dqn.as<float>();
+        p.k_norm = dkn.as<float>();
+        p.eps = 1e-6f;
+        p.inv_freq = dinv.as<float>();
+        p.rotary_dim = cs.rot;
+        p.k_cache = dk.get();
+        p.v_cache = dv.get();
+        p.kv_bf16 = bf;
+        p.capacity = cap;
+        p.part_o = part_o.as<float>();
+        p.part_ml = part_ml.as<float>();
+        p.max_splits = max_splits;
+        p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+        p.nh = nh;
+        p.nkv = nkv;
+        p.hd = hd;
+        p.q_head_stride = qhs;
+        p.gated = cs.gated;
+        p.out = out.as<float>();
+        cuda::launch_attention(p, nullptr, false);
+        cuda::launch_attention_combine(p, nullptr, false);
+        // CPU reference.
+        std::vector<float> q(size_t(nh) * hd);
+        for (int hh = 0; hh < nh; ++hh) {
+          cpu::rms_norm(&qkv[size_t(hh) * qhs], qn.data(), hd, 1e-6f, &q[size_t(hh) * hd]);
+          cpu::rope_neox(&q[size_t(hh) * hd], cs.rot, pos, 1e6f);
+        }
+        std::vector<float> kcpu(size_t(n) * nkv * hd), vcpu(kcpu.size());
+        for (int kh = 0; kh < nkv; ++kh) {
+          std::vector<float> knew(hd), vnew(hd);
+          cpu::rms_norm(&qkv[size_t(nh) * qhs + kh * hd], kn.data(), hd, 1e-6f, knew.data());
+          cpu::rope_neox(knew.data(), cs.rot, pos, 1e6f);
+          for (int e = 0; e < hd; ++e) vnew[e] = qkv[size_t(nh) * qhs + size_t(nkv) * hd + kh * hd + e];
+          round(knew);
+          round(vnew);
+          for (int e = 0; e < hd; ++e) {
+            kc[(size_t(kh) * cap + pos) * hd + e] = knew[e];
+            vc[(size_t(kh) * cap + pos) * hd + e] = vnew[e];
+          }
+          for (int t = 0; t < n; ++t)
+            for (int e = 0; e < hd; ++e) {
+              kcpu[(size_t(t) * nkv + kh) * hd + e] = kc[(size_t(kh) * cap + t) * hd + e];
+              vcpu[(size_t(t) * nkv + kh) * hd + e] = vc[(size_t(kh) * cap + t) * hd + e];
+            }
+        }
+        std::vector<float> o(size_t(nh) * hd);
+        cpu::AttentionIO io{q.data(), size_t(nh) * hd, size_t(hd), kcpu.data(), vcpu.data(), o.data(),
+                            size_t(nh) * hd, 1, pos, nh, nkv, hd};
+        cpu::attention(pool(), io);
+        if (cs.gated)
+          for (int hh = 0; hh < nh; ++hh)
+            for (int e = 0; e < hd; ++e) o[hh * hd + e] *= cpu::sigmoid(qkv[size_t(hh) * qhs + hd + e]);
+        EXPECT_LT(rel_err(to_host<float>(out, o.size()), o), 2e-5);
+        // The new row went into the cache.
+        if (bf) {
+          auto got = to_host<uint16_t>(dk, kc.size());
+          for (int kh = 0; kh < nkv; ++kh)
+            for (int e = 0; e < hd; ++e)
+              ASSERT_NEAR(bf16_to_f32(got[(size_t(kh) * cap + pos) * hd + e]), kc[(size_t(kh) * cap + pos) * hd + e],
+                          1e-2f * std::fabs(kc[(size_t(kh) * cap + pos) * hd + e]) + 1e-6f);
+        } else {
+          auto got = to_host<float>(dk, kc.size());
+          for (int kh = 0; kh < nkv; ++kh)
+            for (int e = 0; e < hd; ++e)
+              ASSERT_NEAR(got[(size_t(kh) * cap + pos) * hd + e], kc[(size_t(kh) * cap + pos) * hd + e], 1e-5f);
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaEmbed, LookupMatchesCpuDequantization) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  for (const FormatCase& fc : kFormats) {
+    const int V = 301, H = 384;
+    auto m = random_matrix(fc.f, V, H, fc.group, fc.sdt, rng);
+    auto dm = cuda::upload_matrix(m.m, 1);
+    for (int use_argmax : {0, 1}) {
+      const int tok = use_argmax ? 123 : 250;
+      cuda::DecodeCtrl h = {0, use_argmax ? 7 : tok, use_argmax, 0,
+                            use_argmax ? ((0x80000000ull << 32) | (0xFFFFFFFFull - 123)) : 0ull};
+      DeviceBuffer ctrl(sizeof h);
+      LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+      auto x = poisoned(H);
+      cuda::EmbedParams p;
+      p.m = dm.v;
+      p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+      p.x = x.as<float>();
+      cuda::launch_embed(p, nullptr, false);
+      std::vector<float> want(H);
+      cpu::dequantize_row(m.m, tok, want.data());
+      EXPECT_LT(rel_err(to_host<float>(x, H), want), 1e-6) << fc.name;
+      LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(h.token, tok);
+      EXPECT_EQ(h.argmax_key, 0ull);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lily
+
+#else
+
+TEST(CudaKernels, SkippedWithoutCuda) { GTEST_SKIP() << "lily was built without CUDA"; }
+
+#endif  // LILY_HAVE_CUDA
