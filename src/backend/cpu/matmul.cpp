@@ -35,16 +35,22 @@ void dequantize_row(const Matrix& w, int row, float* out) {
     case WeightFormat::F32:
       std::memcpy(out, src, sizeof(float) * n);
       return;
-    case WeightFormat::BF16: {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-      for (int i = 0; i < n; ++i) out[i] = bf16_to_f32(s[i]);
+    // Tensors need not be 2-byte aligned in the file (the safetensors header
+    // length is arbitrary), so halves are loaded with memcpy.
+    case WeightFormat::BF16:
+      for (int i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = bf16_to_f32(h);
+      }
       return;
-    }
-    case WeightFormat::F16: {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-      for (int i = 0; i < n; ++i) out[i] = f16_to_f32(s[i]);
+    case WeightFormat::F16:
+      for (int i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = f16_to_f32(h);
+      }
       return;
-    }
     case WeightFormat::Affine4:
     case WeightFormat::Affine8: {
       const int bits = w.bits();
