@@ -48,7 +48,7 @@ run() {
     if [[ ${VARIANTS:-1} == 1 ]]; then
       # What the launch machinery buys: the same step without PDL, and
       # without graphs (kernels launched one by one from the host).
-      for v in "LILY_CUDA_PDL=0" "LILY_CUDA_GRAPHS=0"; do
+      for v in ${VARIANT_LIST:-"LILY_CUDA_PDL=0" "LILY_CUDA_GRAPHS=0" "LILY_CUDA_MV_MINBLOCKS=3"}; do
         echo "-- variant $v" | tee -a "$LOG"
         env "$v" timeout 60 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda --ctx 4096 \
           --repeats 3 2>&1 | tail -1 | sed "s/^/$v /" | tee -a "$LOG"

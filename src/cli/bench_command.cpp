@@ -72,6 +72,15 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       "KV cache and DeltaNet state filled with random values to the context length (no prefill); "
       "greedy decode with on-device argmax feedback, CUDA graph per step, device-event timing, "
       "median of repeats";
+  {
+    auto probe = b->new_cache(64);
+    j["graph_pdl"] = b->graph_uses_pdl(*probe);
+  }
+  const double empty_pdl = b->empty_graph_us(252, 264, true), empty_nopdl = b->empty_graph_us(252, 264, false);
+  j["empty_kernel_us_pdl"] = empty_pdl;
+  j["empty_kernel_us_no_pdl"] = empty_nopdl;
+  std::printf("graph captured with PDL: %s   empty-kernel graph: %.2f us/launch with PDL, %.2f without\n",
+              j["graph_pdl"].get<bool>() ? "yes" : "no", empty_pdl, empty_nopdl);
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,
               b->step_launches());
@@ -113,9 +122,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     row["sm_clock_mhz_after"] = clock;
     if (s.profile) {
       b->bench_fill(*cache, ctx, s.seed);
-      b->profile_step(*cache);  // warm
-      b->bench_fill(*cache, ctx, s.seed);
-      auto prof = b->profile_step(*cache);
+      auto prof = b->profile_step_graphs(*cache, 5);
       nlohmann::ordered_json k = nlohmann::ordered_json::array();
       for (const auto& p : prof)
         k.push_back({{"kernel", p.name}, {"launches", p.launches}, {"ms", p.ms}, {"bytes", p.bytes}});
@@ -128,7 +135,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   j["results"] = rows;
   if (s.profile) {
     for (size_t i = 0; i < profiles.size(); ++i) {
-      std::printf("\nper-kernel, one step launched kernel by kernel (no graph, no PDL), ctx %d:\n",
+      std::printf("\nper kernel kind: that kind's launches of one step replayed alone in a graph, ctx %d:\n",
                   s.ctxs[i]);
       std::printf("  %-20s %8s %10s %10s %9s %7s %7s\n", "kernel", "launches", "us", "MB", "GB/s",
                   "%copy", "share");

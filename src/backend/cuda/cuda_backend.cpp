@@ -793,6 +793,92 @@ std::vector<KernelTiming> CudaBackend::profile_step(SequenceCache& base) {
   return out;
 }
 
+namespace {
+
+cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& body) {
+  cudaGraph_t g = nullptr;
+  LILY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    body();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &g);
+    if (g) cudaGraphDestroy(g);
+    throw;
+  }
+  LILY_CUDA(cudaStreamEndCapture(stream, &g));
+  cudaGraphExec_t exec = nullptr;
+  LILY_CUDA(cudaGraphInstantiate(&exec, g, 0));
+  cudaGraphDestroy(g);
+  return exec;
+}
+
+double time_graph_ms(cudaStream_t stream, cudaGraphExec_t exec, int replays) {
+  cudaEvent_t a, b;
+  LILY_CUDA(cudaEventCreate(&a));
+  LILY_CUDA(cudaEventCreate(&b));
+  LILY_CUDA(cudaGraphLaunch(exec, stream));  // warm
+  LILY_CUDA(cudaEventRecord(a, stream));
+  for (int r = 0; r < replays; ++r) LILY_CUDA(cudaGraphLaunch(exec, stream));
+  LILY_CUDA(cudaEventRecord(b, stream));
+  LILY_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  LILY_CUDA(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / replays;
+}
+
+}  // namespace
+
+std::vector<KernelTiming> CudaBackend::profile_step_graphs(SequenceCache& base, int replays) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  DecodeCtrl saved;
+  LILY_CUDA(cudaMemcpy(&saved, cache.dctrl(), sizeof saved, cudaMemcpyDeviceToHost));
+  std::vector<Step> steps = m.build_steps(cache);
+  std::vector<std::string> names;
+  for (const Step& st : steps)
+    if (std::find(names.begin(), names.end(), st.name) == names.end()) names.push_back(st.name);
+  const int ctx = cache.n_past() + 1;
+  std::vector<KernelTiming> out;
+  for (const std::string& name : names) {
+    KernelTiming k;
+    k.name = name;
+    for (const Step& st : steps)
+      if (st.name == name) {
+        k.launches++;
+        k.bytes += st.bytes_fixed + st.bytes_per_ctx * ctx;
+      }
+    cudaGraphExec_t exec = capture(m.stream, [&] {
+      for (const Step& st : steps)
+        if (st.name == name) st.run(m.stream, m.opt.pdl);
+    });
+    k.ms = time_graph_ms(m.stream, exec, replays);
+    cudaGraphExecDestroy(exec);
+    // The lm_head advances the position: put it back.
+    LILY_CUDA(cudaMemcpy(cache.dctrl(), &saved, sizeof saved, cudaMemcpyHostToDevice));
+    out.push_back(k);
+  }
+  return out;
+}
+
+double CudaBackend::empty_graph_us(int launches, int blocks, bool pdl) {
+  Impl& m = *impl_;
+  cudaGraphExec_t exec = capture(m.stream, [&] {
+    for (int i = 0; i < launches; ++i) launch_empty(blocks, 256, nullptr, m.stream, pdl);
+  });
+  const double ms = time_graph_ms(m.stream, exec, 20);
+  cudaGraphExecDestroy(exec);
+  return ms * 1e3 / launches;
+}
+
+bool CudaBackend::graph_uses_pdl(SequenceCache& base) {
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  impl_->ensure_graph(cache);
+  return cache.graph_pdl;
+}
+
 double CudaBackend::step_bytes(int ctx) const {
   // Build against a throwaway view of the steps: sizes only depend on the
   // model and the KV dtype.

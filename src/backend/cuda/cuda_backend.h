@@ -64,6 +64,12 @@ class CudaBackend : public Backend {
   double time_decode_ms(SequenceCache& cache, int n, int first_token);
   // One decode step launch by launch (no graph), timed per kernel with events.
   std::vector<KernelTiming> profile_step(SequenceCache& cache);
+  // Each kernel kind's launches of one step captured alone in a graph and
+  // replayed (PDL as configured): device time per step without host gaps.
+  std::vector<KernelTiming> profile_step_graphs(SequenceCache& cache, int replays);
+  // Device time of a graph of `launches` empty kernels (launch overhead floor).
+  double empty_graph_us(int launches, int blocks, bool pdl);
+  bool graph_uses_pdl(SequenceCache& cache);
   // Minimum bytes one decode step moves at context length ctx (weights read,
   // DeltaNet state read + written, KV read).
   double step_bytes(int ctx) const;

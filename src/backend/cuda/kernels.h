@@ -176,6 +176,8 @@ struct EmbedParams {
 };
 void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl);
 
+// An empty kernel (launch-overhead measurements).
+void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
 double measure_sm_clock_mhz(cudaStream_t s);
 

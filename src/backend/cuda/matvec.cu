@@ -9,6 +9,8 @@
 // 2^23), and an affine group contributes scale * sum(q x) + bias * sum(x)
 // with sum(x) of each chunk precomputed at staging.
 #include <cfloat>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/device_common.cuh"
 
@@ -266,7 +268,7 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
 }
 
 template <QFmt F>
-__global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
+__device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
@@ -397,6 +399,17 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_con
       if (tid == 0) *p.counter = 0;
     }
   }
+}
+
+// MinBlocks 0: no register cap (about 95 registers for q4: 2 blocks per SM);
+// 3: capped at 85 registers for 3 blocks per SM (a few bytes of spills).
+template <QFmt F, int MinBlocks>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
+  matvec_body<F>(p);
+}
+template <QFmt F>
+__global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
+  matvec_body<F>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
@@ -544,25 +557,41 @@ void allow_big_smem(Kernel k) {
   LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
-template <QFmt F>
-void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
-  static bool init = [] {
-    allow_big_smem(matvec_kernel<F>);
-    return true;
+// LILY_CUDA_MV_MINBLOCKS=3 selects the register-capped matvec (A/B switch).
+int matvec_min_blocks() {
+  static int v = [] {
+    const char* e = std::getenv("LILY_CUDA_MV_MINBLOCKS");
+    return e && std::string(e) == "3" ? 3 : 0;
   }();
-  (void)init;
+  return v;
+}
+
+template <typename Kernel>
+void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_t s, bool pdl) {
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
-  const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(F), p.cols, nseg);
+  const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(fmt), p.cols, nseg);
   size_t smem = size_t(L.total) * 4;
   if (p.fin == Finish::RouterTopK)
     smem = std::max(smem, size_t(p.router.experts + 2 * p.router.k + 4) * 4);
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
-  const int max_grid = device_sm_count() * max_blocks_per_sm(matvec_kernel<F>, smem);
+  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
-  launch_kernel("matvec", matvec_kernel<F>, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+  launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+}
+
+template <QFmt F>
+void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  static bool init = [] {
+    allow_big_smem(matvec_kernel<F, 0>);
+    allow_big_smem(matvec_kernel_3<F>);
+    return true;
+  }();
+  (void)init;
+  if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F>, F, p, s, pdl);
+  else launch_matvec_k(matvec_kernel<F, 0>, F, p, s, pdl);
 }
 
 template <QFmt F>

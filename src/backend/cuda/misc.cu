@@ -92,6 +92,12 @@ __global__ void fill_bf16_kernel(uint16_t* p, size_t n, float lo, float hi, uint
     p[i] = static_cast<uint16_t>(bf16_bits(lo + (hi - lo) * unit_float(mix64(seed * 0x9E3779B97F4A7C15ull + i))));
 }
 
+__global__ void empty_kernel(int* sink) {
+  pdl_wait();
+  pdl_launch_dependents();
+  if (sink && threadIdx.x == 0 && blockIdx.x == 0) *sink = 0;
+}
+
 __global__ void clock_probe_kernel(unsigned long long* out, long long cycles) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -117,6 +123,10 @@ void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl) {
     case QFmt::BF16: return launch_kernel("embed", embed_kernel<QFmt::BF16>, dim3(1), dim3(256), 0, s, pdl, p);
     case QFmt::F32: return launch_kernel("embed", embed_kernel<QFmt::F32>, dim3(1), dim3(256), 0, s, pdl, p);
   }
+}
+
+void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl) {
+  launch_kernel("empty", empty_kernel, dim3(blocks), dim3(threads), 0, s, pdl, sink);
 }
 
 double measure_sm_clock_mhz(cudaStream_t s) {
