@@ -36,13 +36,6 @@ server::ServedModel open_model(const Args& a, bool load_weights, bool quiet) {
   return server::load_served_model(lo);
 }
 
-bool ends_with_open_think(const std::string& prompt) {
-  size_t end = prompt.find_last_not_of(" \t\r\n");
-  static const std::string tag = "<think>";
-  return end != std::string::npos && end + 1 >= tag.size() &&
-         prompt.compare(end + 1 - tag.size(), tag.size(), tag) == 0;
-}
-
 // One streamed reply: reasoning (dimmed on a terminal) then content.
 struct ReplyPrinter {
   bool tty = ::isatty(STDOUT_FILENO) != 0;
@@ -109,7 +102,7 @@ struct ChatSession {
     p.stop_token_ids = model.stop_token_ids;
     text::OutputParserOptions po;
     po.reasoning_enabled = true;
-    po.starts_in_reasoning = thinking && ends_with_open_think(prompt);
+    po.starts_in_reasoning = thinking && text::prompt_opens_reasoning(prompt);
     text::OutputParser parser(po);
     ReplyPrinter out;
     auto result = generator.generate(p, [&](engine::GenerationEvent&& e) {

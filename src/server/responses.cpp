@@ -87,17 +87,6 @@ ojson token_bytes_json(const text::Tokenizer& tok, int id) {
 
 // ---------------------------------------------------------------- chat
 
-namespace {
-
-bool ends_with_open_think(const std::string& prompt) {
-  size_t end = prompt.find_last_not_of(" \t\r\n");
-  if (end == std::string::npos) return false;
-  static const std::string tag = "<think>";
-  return end + 1 >= tag.size() && prompt.compare(end + 1 - tag.size(), tag.size(), tag) == 0;
-}
-
-}  // namespace
-
 std::string plan_chat_reply(const ChatRequest& cr, text::ToolDialect dialect,
                             const std::string& rendered_prompt, ChatSetup& setup) {
   setup.stream = cr.common.stream;
@@ -110,7 +99,7 @@ std::string plan_chat_reply(const ChatRequest& cr, text::ToolDialect dialect,
   const bool tools_on = !cr.inputs.tools.is_null() && dialect != text::ToolDialect::None;
   const bool thinking = cr.enable_thinking.value_or(true);
   setup.parser.reasoning_enabled = thinking;
-  setup.parser.starts_in_reasoning = thinking && ends_with_open_think(rendered_prompt);
+  setup.parser.starts_in_reasoning = thinking && text::prompt_opens_reasoning(rendered_prompt);
   setup.parser.tool_dialect = tools_on ? dialect : text::ToolDialect::None;
   if (tools_on) {
     setup.parser.tools =

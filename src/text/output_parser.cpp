@@ -591,4 +591,11 @@ std::string OutputParser::new_id() {
   return id;
 }
 
+bool prompt_opens_reasoning(std::string_view prompt) {
+  const size_t end = prompt.find_last_not_of(" \t\r\n");
+  constexpr std::string_view tag = "<think>";
+  return end != std::string_view::npos && end + 1 >= tag.size() &&
+         prompt.substr(end + 1 - tag.size(), tag.size()) == tag;
+}
+
 }  // namespace lily::text

@@ -194,4 +194,9 @@ class OutputParser {
   ParsedOutput result_;
 };
 
+// True when a rendered prompt ends inside an opened <think> block (the
+// Qwen3.5/3.6 templates open it when thinking is on): the reply then starts
+// as reasoning (OutputParserOptions::starts_in_reasoning).
+bool prompt_opens_reasoning(std::string_view prompt);
+
 }  // namespace lily::text
