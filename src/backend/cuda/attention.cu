@@ -19,7 +19,8 @@ constexpr int kAttnWarps = 4;
 constexpr int kAttnThreads = kAttnWarps * 32;
 constexpr int kAttnPos = 4;    // positions per warp step
 constexpr int kAttnHeads = 8;  // query heads per block (kAttnPos * kAttnHeads == 32)
-constexpr int kCombineThreads = 64;
+constexpr int kCombineThreads = 64;  // dims per combine block
+constexpr int kCombineGroups = 4;    // split groups per combine block
 
 __host__ __device__ inline int split_len(int n, int max_splits) {
   int per = (n + max_splits - 1) / max_splits;
@@ -305,11 +306,14 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   }
 }
 
-__global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(const __grid_constant__ AttentionParams p) {
+// Block (head, 64 dims): 4 groups of 64 threads split the context splits,
+// each keeping 8 loads in flight, then the groups are summed in shared memory.
+__global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_combine_kernel(const __grid_constant__ AttentionParams p) {
   pdl_wait();
   pdl_launch_dependents();
-  extern __shared__ float wsm[];  // [max_splits] weights, [max_splits] sums
+  extern __shared__ float wsm[];  // [max_splits] weights
   __shared__ float scratch[32];
+  __shared__ float part[kCombineGroups][kCombineThreads];
   const int h = blockIdx.x, tid = threadIdx.x, HD = p.hd;
   const int n = p.ctrl->pos + 1;
   const int len = split_len(n, p.max_splits);
@@ -325,23 +329,33 @@ __global__ void __launch_bounds__(kCombineThreads) attention_combine_kernel(cons
     L = fmaf(w, ml[2 * s + 1], L);
   }
   L = block_sum(L, scratch);  // also orders the wsm writes before the reads below
-  const int e = blockIdx.y * kCombineThreads + tid;
-  if (e >= HD) return;
-  const float* po = p.part_o + size_t(h) * p.max_splits * HD + e;
-  // Eight independent loads in flight per step.
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int s = 0;
-  for (; s + 8 <= ns; s += 8) {
-    float v[8];
+  const int lane_e = tid % kCombineThreads, g = tid / kCombineThreads;
+  const int e = blockIdx.y * kCombineThreads + lane_e;
+  float o = 0.f;
+  if (e < HD) {
+    const float* po = p.part_o + size_t(h) * p.max_splits * HD + e;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int s = g;
+    constexpr int G = kCombineGroups;
+    for (; s + 7 * G < ns; s += 8 * G) {
+      float v[8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) v[u] = po[size_t(s + u) * HD];
+      for (int u = 0; u < 8; ++u) v[u] = po[size_t(s + u * G) * HD];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) acc[u] = fmaf(wsm[s + u], v[u], acc[u]);
+      for (int u = 0; u < 8; ++u) acc[u] = fmaf(wsm[s + u * G], v[u], acc[u]);
+    }
+    for (; s < ns; s += G) acc[0] = fmaf(wsm[s], po[size_t(s) * HD], acc[0]);
+    o = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   }
-  for (; s < ns; ++s) acc[0] = fmaf(wsm[s], po[size_t(s) * HD], acc[0]);
-  float o = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) / L;
-  if (p.gated) o *= sigmoid(p.qkv[size_t(h) * p.q_head_stride + HD + e]);
-  p.out[size_t(h) * HD + e] = o;
+  part[g][lane_e] = o;
+  __syncthreads();
+  if (g != 0 || e >= HD) return;
+  float t = 0.f;
+#pragma unroll
+  for (int q = 0; q < kCombineGroups; ++q) t += part[q][lane_e];
+  t /= L;
+  if (p.gated) t *= sigmoid(p.qkv[size_t(h) * p.q_head_stride + HD + e]);
+  p.out[size_t(h) * HD + e] = t;
 }
 
 template <int HD, bool BF>
@@ -380,7 +394,7 @@ void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
 
 void launch_attention_combine(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const dim3 grid(p.nh, (p.hd + kCombineThreads - 1) / kCombineThreads);
-  launch_kernel("attention_combine", attention_combine_kernel, grid, dim3(kCombineThreads),
+  launch_kernel("attention_combine", attention_combine_kernel, grid, dim3(kCombineThreads * kCombineGroups),
                 size_t(p.max_splits) * 4, s, pdl, p);
 }
 

@@ -18,6 +18,7 @@ constexpr int kDnCols = 32;
 constexpr int kDnRowGroups = kDnThreads / kDnCols;  // 4
 constexpr int kDnMaxRows = 32;                      // dk / 4 <= 32
 constexpr int kDnMaxDk = kDnMaxRows * kDnRowGroups;
+constexpr int kDnChPerThread = (2 * kDnMaxDk + kDnCols + kDnThreads - 1) / kDnThreads;  // 3
 
 __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_constant__ DeltaNetParams p) {
   const int h = blockIdx.x, cb = blockIdx.y;
@@ -33,30 +34,53 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
 #pragma unroll
   for (int r = 0; r < kDnMaxRows; ++r)
     if (r < nr) sr[r] = S[size_t(qg + kDnRowGroups * r) * dv + j];
-  pdl_wait();
-  pdl_launch_dependents();
-
+  // Conv taps, the ring's previous inputs and the gate constants do not
+  // depend on the predecessor either: load them before the wait too.
   __shared__ float qs[kDnMaxDk], ks[kDnMaxDk], vs[kDnCols];
   __shared__ float red[kDnRowGroups][kDnCols];
   __shared__ float scratch[32];
-  const int pos = p.ctrl->pos;
+  const int pos = p.ctrl->pos;  // written by the previous step only
   const bool own_qk = (h % ratio) == 0 && cb == 0;
-  for (int i = tid; i < 2 * dk + kDnCols; i += kDnThreads) {
-    int ch;
+  const int nch = 2 * dk + kDnCols;
+  int chs[kDnChPerThread];
+  float acc_prev[kDnChPerThread];
+  float w_last[kDnChPerThread];
+#pragma unroll
+  for (int u = 0; u < kDnChPerThread; ++u) {
+    const int i = tid + u * kDnThreads;
+    int ch = 0;
     if (i < dk) ch = kh * dk + i;
     else if (i < 2 * dk) ch = nk * dk + kh * dk + (i - dk);
-    else ch = 2 * nk * dk + h * dv + cb * kDnCols + (i - 2 * dk);
-    const float xt = p.proj[ch];
-    const float* w = p.conv_w + size_t(ch) * K;
-    float* ring = p.conv_ring + size_t(ch) * K;
+    else if (i < nch) ch = 2 * nk * dk + h * dv + cb * kDnCols + (i - 2 * dk);
+    chs[u] = ch;
     float s = 0.f;
-    for (int t = 0; t < K - 1; ++t) s += w[t] * ring[(pos + 1 + t) % K];
-    s += w[K - 1] * xt;
-    const float y = silu(s);
+    if (i < nch) {
+      const float* w = p.conv_w + size_t(ch) * K;
+      const float* ring = p.conv_ring + size_t(ch) * K;
+      for (int t = 0; t < K - 1; ++t) s += w[t] * ring[(pos + 1 + t) % K];
+      w_last[u] = w[K - 1];
+    } else {
+      w_last[u] = 0.f;
+    }
+    acc_prev[u] = s;
+  }
+  const float a_log = p.a_log[h], dt_bias = p.dt_bias[h];
+  pdl_wait();
+  pdl_launch_dependents();
+
+  float xt[kDnChPerThread];
+#pragma unroll
+  for (int u = 0; u < kDnChPerThread; ++u) xt[u] = tid + u * kDnThreads < nch ? p.proj[chs[u]] : 0.f;
+  const float b = p.proj[C + nv * dv + h], a = p.proj[C + nv * dv + nv + h];
+#pragma unroll
+  for (int u = 0; u < kDnChPerThread; ++u) {
+    const int i = tid + u * kDnThreads;
+    if (i >= nch) continue;
+    const float y = silu(acc_prev[u] + w_last[u] * xt[u]);
     if (i < dk) qs[i] = y;
     else if (i < 2 * dk) ks[i - dk] = y;
     else vs[i - 2 * dk] = y;
-    if (i >= 2 * dk || own_qk) ring[pos % K] = xt;
+    if (i >= 2 * dk || own_qk) p.conv_ring[size_t(chs[u]) * K + pos % K] = xt[u];
   }
   __syncthreads();
   float sq = 0.f, sk = 0.f;
@@ -73,9 +97,8 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
     qs[i] *= qinv;
     ks[i] *= kinv;
   }
-  const float b = p.proj[C + nv * dv + h], a = p.proj[C + nv * dv + nv + h];
   const float beta = sigmoid(b);
-  const float g = -expf(p.a_log[h]) * softplus(a + p.dt_bias[h]);
+  const float g = -expf(a_log) * softplus(a + dt_bias);
   const float decay = expf(g);
   __syncthreads();
 

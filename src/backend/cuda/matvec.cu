@@ -56,11 +56,21 @@ __device__ void stage_input(const MatvecParams& p, float* smem, const MatvecSmem
   float* seginv = smem + L.seginv;
   float ss = 0.f;
   if ((cols & 3) == 0) {
+    // All of a thread's loads go out before the first use (each staging
+    // loop iteration would otherwise wait one L2 round trip).
     const float4* x4 = reinterpret_cast<const float4*>(p.x);
-    for (int i = tid; i < cols / 4; i += nthr) {
-      const float4 v = x4[i];
-      reinterpret_cast<float4*>(raw)[i] = v;
-      ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+    const int n4 = cols / 4;
+    for (int i0 = tid; i0 < n4; i0 += nthr * 4) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * nthr < n4) v[u] = x4[i0 + u * nthr];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i0 + u * nthr < n4) {
+          reinterpret_cast<float4*>(raw)[i0 + u * nthr] = v[u];
+          ss = fmaf(v[u].x, v[u].x, fmaf(v[u].y, v[u].y, fmaf(v[u].z, v[u].z, fmaf(v[u].w, v[u].w, ss))));
+        }
     }
   } else {
     for (int i = tid; i < cols; i += nthr) {
@@ -91,18 +101,32 @@ __device__ void stage_input(const MatvecParams& p, float* smem, const MatvecSmem
   }
   __syncthreads();
   const int n = p.chunks * CF::FPC;
-  for (int i = tid; i < n; i += nthr) {
-    float v = 0.f;
-    if (i < cols) {
-      v = raw[i];
-      if (p.pro != Prologue::None) {
-        const int s = i / p.seg;
-        v = v * seginv[s] * p.norm_w[i - s * p.seg];
-        if (p.gate_z) v *= silu(p.gate_z[i]);
+  constexpr int U = 8;
+  for (int i0 = tid; i0 < n; i0 += nthr * U) {
+    float w[U], z[U];
+    if (p.pro != Prologue::None) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * nthr;
+        w[u] = i < cols ? p.norm_w[i % p.seg] : 0.f;
+        z[u] = (p.gate_z && i < cols) ? p.gate_z[i] : 0.f;
       }
     }
-    const int c = i / CF::FPC;
-    smem[L.xs + CF::slot(c, i - c * CF::FPC)] = v;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * nthr;
+      if (i >= n) break;
+      float v = 0.f;
+      if (i < cols) {
+        v = raw[i];
+        if (p.pro != Prologue::None) {
+          v = v * seginv[i / p.seg] * w[u];
+          if (p.gate_z) v *= silu(z[u]);
+        }
+      }
+      const int c = i / CF::FPC;
+      smem[L.xs + CF::slot(c, i - c * CF::FPC)] = v;
+    }
   }
   __syncthreads();
   if constexpr (CF::affine) {
@@ -451,11 +475,23 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   // Stage every job's input, item = job * chunks + chunk.
   const int cols = p.cols, per_job = chunks * CF::FPC;
-  for (int i = tid; i < p.njobs * per_job; i += blockDim.x) {
-    const int jj = i / per_job, within_job = i - jj * per_job;
-    const float v = within_job < cols ? p.jobs[jj].x[within_job] : 0.f;
-    const int item = jj * chunks + within_job / CF::FPC;
-    smem[CF::slot(item, within_job % CF::FPC)] = v;
+  const int total_in = p.njobs * per_job;
+  for (int i0 = tid; i0 < total_in; i0 += blockDim.x * 8) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      const int jj = i / per_job, within_job = i - jj * per_job;
+      v[u] = (i < total_in && within_job < cols) ? p.jobs[jj].x[within_job] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i >= total_in) break;
+      const int jj = i / per_job, within_job = i - jj * per_job;
+      const int item = jj * chunks + within_job / CF::FPC;
+      smem[CF::slot(item, within_job % CF::FPC)] = v[u];
+    }
   }
   __syncthreads();
   float* xsum = smem + items * CF::FPC;
