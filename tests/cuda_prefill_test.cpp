@@ -311,6 +311,36 @@ TEST(CudaPrefillGemm, SwigluMatchesCpu) {
   }
 }
 
+// Gate/up interleaved by rows (the decode backend's fused SwiGLU upload),
+// read through two strided views.
+TEST(CudaPrefillGemm, SwigluInterleavedRows) {
+  REQUIRE_GPU();
+  Rng r(25);
+  const int T = 70, N = 96, K = 192;
+  HostWeight gu = make_weight(r, PrefillWeightFormat::Q4, 2 * N, K);
+  std::vector<uint16_t> xb;
+  std::vector<float> xf;
+  random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+  auto all = ref_matmul(gu.deq, 2 * N, K, xf, T);
+  std::vector<float> ref(size_t(T) * N);
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < N; ++i)
+      ref[size_t(t) * N + i] = cpu::silu(all[size_t(t) * 2 * N + 2 * i]) * all[size_t(t) * 2 * N + 2 * i + 1];
+  DevWeight d = upload_weight(gu);
+  PrefillWeight g = d.view, u = d.view;
+  g.rows = u.rows = N;
+  g.row_stride_bytes = u.row_stride_bytes = size_t(K);  // two packed Q4 rows
+  g.sb_row_stride_words = u.sb_row_stride_words = size_t(K) / 32;
+  u.w = static_cast<const uint8_t*>(d.view.w) + K / 2;
+  u.sb = d.view.sb + K / 64;
+  Dev x = upload(xb);
+  Dev h(size_t(T) * N * 2);
+  prefill_gemm_swiglu(g, u, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
+  const double e = rel_err(bf16_vec_to_f32(download<uint16_t>(h, size_t(T) * N)), ref);
+  std::printf("  swiglu interleaved: rel err %.3g\n", e);
+  EXPECT_LT(e, 1e-2);
+}
+
 TEST(CudaPrefillGemm, RejectsBadShapes) {
   REQUIRE_GPU();
   PrefillWeight w;
@@ -477,16 +507,26 @@ TEST(CudaPrefillMoe, MatchesCpuModelShape) {
 // ---- Gated DeltaNet -------------------------------------------------------------
 
 struct DnModel {
-  int nk, nv, C;
+  int nk, nv, d, C;  // dk = dv = d; C = 2*nk*d + nv*d
   std::vector<float> conv_w, a_log, dt_bias;
 };
+DnModel make_dn_model(Rng& r, int nk, int nv, int d) {
+  DnModel m{nk, nv, d, 2 * nk * d + nv * d, {}, {}, {}};
+  m.conv_w.resize(size_t(m.C) * 4);
+  for (auto& v : m.conv_w) v = r.uniform(-0.6f, 0.6f);
+  m.a_log.resize(m.nv);
+  m.dt_bias.resize(m.nv);
+  for (auto& v : m.a_log) v = r.uniform(-2.f, 1.f);
+  for (auto& v : m.dt_bias) v = r.uniform(-1.f, 1.f);
+  return m;
+}
 
 // The CPU backend's deltanet_block math between the projections and the
 // gated norm (cpu_backend.cpp), with cpu::deltanet_chunked for the core.
 void cpu_deltanet(const DnModel& m, const std::vector<float>& qkv, const std::vector<float>& a,
                   const std::vector<float>& b, int T, std::vector<float>& conv_state /*[C][3]*/,
                   std::vector<float>& state, std::vector<float>& out) {
-  const int C = m.C, K = 4, keep = 3, dk = 128, dv = 128, nk = m.nk, nv = m.nv;
+  const int C = m.C, K = 4, keep = 3, dk = m.d, dv = m.d, nk = m.nk, nv = m.nv;
   std::vector<float> conv(size_t(T) * C), window(keep + T);
   for (int ch = 0; ch < C; ++ch) {
     float* st = &conv_state[size_t(ch) * keep];
@@ -527,74 +567,107 @@ void cpu_deltanet(const DnModel& m, const std::vector<float>& qkv, const std::ve
   }
 }
 
+// One sequence's device-side DeltaNet layer: weights, conv ring and state.
+struct DnDevice {
+  Dev conv_w, a_log, dt_bias, ring, state;
+};
+// Ring zeroed (positions < 0 read as zero); state from `state0` ([nv][d][d]).
+DnDevice make_dn_device(const DnModel& m, const std::vector<float>& state0) {
+  DnDevice d{upload(m.conv_w), upload(m.a_log), upload(m.dt_bias), Dev(size_t(m.C) * 4 * 4), upload(state0)};
+  ck(cudaMemset(d.ring.p, 0, d.ring.bytes), "memset");
+  return d;
+}
+
+// Random projections for T tokens: qkv [T][C], a and b [T][nv].
+struct DnInputs {
+  std::vector<float> qkv, a, b;
+};
+DnInputs make_dn_inputs(Rng& r, const DnModel& m, int T) {
+  DnInputs in{std::vector<float>(size_t(T) * m.C), std::vector<float>(size_t(T) * m.nv),
+              std::vector<float>(size_t(T) * m.nv)};
+  for (auto& v : in.qkv) v = r.normal();
+  for (auto& v : in.a) v = r.normal();
+  for (auto& v : in.b) v = r.normal();
+  return in;
+}
+// Tokens [t0, t0 + T) of `in`.
+DnInputs dn_slice(const DnModel& m, const DnInputs& in, int t0, int T) {
+  auto rows = [&](const std::vector<float>& v, size_t w) {
+    return std::vector<float>(v.begin() + size_t(t0) * w, v.begin() + size_t(t0 + T) * w);
+  };
+  return {rows(in.qkv, m.C), rows(in.a, m.nv), rows(in.b, m.nv)};
+}
+
+// prefill_deltanet over T tokens after P on `dev` (ring and state updated);
+// returns the core outputs [T][nv*d] (written with a padded row stride, NaN
+// poisoned first).
+std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs& in, int T, int P) {
+  Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
+  const size_t ld_out = size_t(m.nv) * m.d + 4;
+  Dev out(size_t(T) * ld_out * 4);
+  ck(cudaMemset(out.p, 0xFF, out.bytes), "memset");
+  PrefillDeltaNetArgs args;
+  args.T = T;
+  args.first_position = P;
+  args.nk = m.nk;
+  args.nv = m.nv;
+  args.dk = m.d;
+  args.dv = m.d;
+  args.qkv = dq.as<float>();
+  args.ld_qkv = m.C;
+  args.a = da.as<float>();
+  args.b = db.as<float>();
+  args.ld_ab = m.nv;
+  args.conv_w = dev.conv_w.as<float>();
+  args.conv_ring = dev.ring.as<float>();
+  args.a_log = dev.a_log.as<float>();
+  args.dt_bias = dev.dt_bias.as<float>();
+  args.state = dev.state.as<float>();
+  args.out = out.as<float>();
+  args.ld_out = ld_out;
+  args.workspace_bytes = prefill_deltanet_workspace_bytes(T, m.nk, m.nv, m.d, m.d);
+  Dev ws(args.workspace_bytes);
+  args.workspace = ws.p;
+  prefill_deltanet(args, nullptr);
+  auto h = download<float>(out, size_t(T) * ld_out);
+  const size_t row = size_t(m.nv) * m.d;
+  std::vector<float> got(size_t(T) * row);
+  for (int t = 0; t < T; ++t)
+    for (size_t i = 0; i < row; ++i) got[size_t(t) * row + i] = h[size_t(t) * ld_out + i];
+  return got;
+}
+
+// The ring must hold the last 4 raw inputs by position, n positions done:
+// the largest difference from the 3 the CPU keeps ([C][3], oldest first).
+double ring_max_diff(const DnModel& m, const DnDevice& dev, const std::vector<float>& cpu_conv, int n) {
+  auto hr = download<float>(dev.ring, size_t(m.C) * 4);
+  double ring_max = 0;
+  for (int ch = 0; ch < m.C; ++ch)
+    for (int j = 0; j < 3; ++j) {
+      const int pos = n - 3 + j;
+      const float want = cpu_conv[size_t(ch) * 3 + j];
+      const float have = pos >= 0 ? hr[size_t(ch) * 4 + pos % 4] : 0.f;
+      ring_max = std::max(ring_max, double(std::fabs(have - want)));
+    }
+  return ring_max;
+}
+
 TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
   REQUIRE_GPU();
   Rng r(51);
-  DnModel m{16, 32, 2 * 16 * 128 + 32 * 128, {}, {}, {}};
-  m.conv_w.resize(size_t(m.C) * 4);
-  for (auto& v : m.conv_w) v = r.uniform(-0.6f, 0.6f);
-  m.a_log.resize(m.nv);
-  m.dt_bias.resize(m.nv);
-  for (auto& v : m.a_log) v = r.uniform(-2.f, 1.f);
-  for (auto& v : m.dt_bias) v = r.uniform(-1.f, 1.f);
-  const int dk = 128, dv = 128;
-  std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state(size_t(m.nv) * dk * dv, 0.f);
-  Dev ring(size_t(m.C) * 4 * 4), state(cpu_state.size() * 4), dconv = upload(m.conv_w),
-      dalog = upload(m.a_log), ddt = upload(m.dt_bias);
-  ck(cudaMemset(ring.p, 0, ring.bytes), "memset");
-  ck(cudaMemset(state.p, 0, state.bytes), "memset");
+  const DnModel m = make_dn_model(r, 16, 32, 128);
+  std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state(size_t(m.nv) * m.d * m.d, 0.f);
+  DnDevice dev = make_dn_device(m, cpu_state);
   int P = 0;
   for (int T : {100, 70, 3}) {  // 100: chunk 64 + 36; 70 crosses 128 from 100; 3: shorter than the conv
     SCOPED_TRACE(::testing::Message() << "call with T " << T << " after P " << P);
-    std::vector<float> qkv(size_t(T) * m.C), a(size_t(T) * m.nv), b(a.size());
-    for (auto& v : qkv) v = r.normal();
-    for (auto& v : a) v = r.normal();
-    for (auto& v : b) v = r.normal();
+    const DnInputs in = make_dn_inputs(r, m, T);
     std::vector<float> ref;
-    cpu_deltanet(m, qkv, a, b, T, cpu_conv, cpu_state, ref);
-
-    Dev dq = upload(qkv), da = upload(a), db = upload(b);
-    const size_t ld_out = size_t(m.nv) * dv + 4;
-    Dev out(size_t(T) * ld_out * 4);
-    ck(cudaMemset(out.p, 0xFF, out.bytes), "memset");
-    PrefillDeltaNetArgs args;
-    args.T = T;
-    args.first_position = P;
-    args.nk = m.nk;
-    args.nv = m.nv;
-    args.qkv = dq.as<float>();
-    args.ld_qkv = m.C;
-    args.a = da.as<float>();
-    args.b = db.as<float>();
-    args.ld_ab = m.nv;
-    args.conv_w = dconv.as<float>();
-    args.conv_ring = ring.as<float>();
-    args.a_log = dalog.as<float>();
-    args.dt_bias = ddt.as<float>();
-    args.state = state.as<float>();
-    args.out = out.as<float>();
-    args.ld_out = ld_out;
-    args.workspace_bytes = prefill_deltanet_workspace_bytes(T, m.nk, m.nv, dk, dv);
-    Dev ws(args.workspace_bytes);
-    args.workspace = ws.p;
-    prefill_deltanet(args, nullptr);
-    auto h = download<float>(out, size_t(T) * ld_out);
-    std::vector<float> got(ref.size());
-    for (int t = 0; t < T; ++t)
-      for (int i = 0; i < m.nv * dv; ++i) got[size_t(t) * m.nv * dv + i] = h[size_t(t) * ld_out + i];
+    cpu_deltanet(m, in.qkv, in.a, in.b, T, cpu_conv, cpu_state, ref);
+    const std::vector<float> got = gpu_deltanet(m, dev, in, T, P);
     const double e_out = rel_err(got, ref);
-    const double e_state = rel_err(download<float>(state, cpu_state.size()), cpu_state);
-    // The ring must hold the last 4 raw inputs by position; compare the 3 the CPU keeps.
-    auto hr = download<float>(ring, size_t(m.C) * 4);
-    const int n = P + T;
-    double ring_max = 0;
-    for (int ch = 0; ch < m.C; ++ch)
-      for (int j = 0; j < 3; ++j) {
-        const int pos = n - 3 + j;
-        const float want = cpu_conv[size_t(ch) * 3 + j];
-        const float have = pos >= 0 ? hr[size_t(ch) * 4 + pos % 4] : 0.f;
-        ring_max = std::max(ring_max, double(std::fabs(have - want)));
-      }
+    const double e_state = rel_err(download<float>(dev.state, cpu_state.size()), cpu_state);
+    const double ring_max = ring_max_diff(m, dev, cpu_conv, P + T);
     std::printf("  deltanet T=%d P=%d: out rel err %.3g, state rel err %.3g, ring max diff %.3g\n", T, P,
                 e_out, e_state, ring_max);
     EXPECT_LT(e_out, 1e-4);
@@ -602,6 +675,109 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
     EXPECT_EQ(ring_max, 0.0);
     P += T;
   }
+}
+
+// Small head dims (the test fixtures' dk = dv = 32 with 2 key / 4 value heads,
+// and 64): one call each from a random state, T around the 64-token chunk.
+void run_deltanet_small_dims(int d, uint64_t seed) {
+  Rng r(seed);
+  const DnModel m = make_dn_model(r, 2, 4, d);
+  for (int T : {1, 5, 63, 64, 65, 150}) {
+    SCOPED_TRACE(::testing::Message() << "d " << d << " T " << T);
+    std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state(size_t(m.nv) * d * d);
+    for (auto& v : cpu_state) v = r.normal() * 0.5f;
+    DnDevice dev = make_dn_device(m, cpu_state);
+    const DnInputs in = make_dn_inputs(r, m, T);
+    std::vector<float> ref;
+    cpu_deltanet(m, in.qkv, in.a, in.b, T, cpu_conv, cpu_state, ref);
+    const std::vector<float> got = gpu_deltanet(m, dev, in, T, 0);
+    const double e_out = rel_err(got, ref);
+    const double e_state = rel_err(download<float>(dev.state, cpu_state.size()), cpu_state);
+    const double ring_max = ring_max_diff(m, dev, cpu_conv, T);
+    std::printf("  deltanet d=%d T=%d: out rel err %.3g, state rel err %.3g, ring max diff %.3g\n", d, T,
+                e_out, e_state, ring_max);
+    EXPECT_LT(e_out, 1e-4);
+    EXPECT_LT(e_state, 1e-4);
+    EXPECT_EQ(ring_max, 0.0);
+  }
+}
+
+TEST(CudaPrefillDeltaNet, HeadDim32MatchesCpu) {
+  REQUIRE_GPU();
+  run_deltanet_small_dims(32, 52);
+}
+
+TEST(CudaPrefillDeltaNet, HeadDim64MatchesCpu) {
+  REQUIRE_GPU();
+  run_deltanet_small_dims(64, 53);
+}
+
+// Two calls (the second at first_position = T1, with the state and the conv
+// ring the first left) against one call over all T1 + T2 tokens from the same
+// random state, and against the CPU reference over all tokens.
+void run_deltanet_two_calls(int d, int T1, int T2, uint64_t seed) {
+  SCOPED_TRACE(::testing::Message() << "d " << d << " T1 " << T1 << " T2 " << T2);
+  Rng r(seed);
+  const DnModel m = make_dn_model(r, 2, 4, d);
+  const int N = T1 + T2;
+  std::vector<float> state0(size_t(m.nv) * d * d);
+  for (auto& v : state0) v = r.normal() * 0.5f;
+  const DnInputs in = make_dn_inputs(r, m, N);
+
+  std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state = state0, ref;
+  cpu_deltanet(m, in.qkv, in.a, in.b, N, cpu_conv, cpu_state, ref);
+
+  DnDevice one = make_dn_device(m, state0);
+  const std::vector<float> got_one = gpu_deltanet(m, one, in, N, 0);
+
+  DnDevice two = make_dn_device(m, state0);
+  std::vector<float> got_two = gpu_deltanet(m, two, dn_slice(m, in, 0, T1), T1, 0);
+  const std::vector<float> second = gpu_deltanet(m, two, dn_slice(m, in, T1, T2), T2, T1);
+  got_two.insert(got_two.end(), second.begin(), second.end());
+
+  const auto st_one = download<float>(one.state, state0.size());
+  const auto st_two = download<float>(two.state, state0.size());
+  const auto ring_one = download<float>(one.ring, size_t(m.C) * 4);
+  const auto ring_two = download<float>(two.ring, size_t(m.C) * 4);
+  const double e_split = rel_err(got_two, got_one), e_split_state = rel_err(st_two, st_one);
+  const double e_out = rel_err(got_two, ref), e_state = rel_err(st_two, cpu_state);
+  const double e_one = rel_err(got_one, ref), e_one_state = rel_err(st_one, cpu_state);
+  const double ring_max = ring_max_diff(m, two, cpu_conv, N);
+  std::printf("  deltanet d=%d %d+%d: split vs one call out %.3g state %.3g; vs cpu out %.3g state %.3g "
+              "(one call: %.3g, %.3g); ring max diff %.3g\n",
+              d, T1, T2, e_split, e_split_state, e_out, e_state, e_one, e_one_state, ring_max);
+  EXPECT_LT(e_split, 1e-4);
+  EXPECT_LT(e_split_state, 1e-4);
+  EXPECT_LT(e_out, 1e-4);
+  EXPECT_LT(e_state, 1e-4);
+  EXPECT_LT(e_one, 1e-4);
+  EXPECT_LT(e_one_state, 1e-4);
+  EXPECT_EQ(ring_max, 0.0);
+  EXPECT_TRUE(ring_one == ring_two) << "the ring after two calls differs from the one-call ring";
+}
+
+TEST(CudaPrefillDeltaNet, SmallHeadDimsTwoCallsMatchOneCall) {
+  REQUIRE_GPU();
+  for (int d : {32, 64}) {
+    run_deltanet_two_calls(d, 70, 80, 54 + d);  // both calls cross a chunk boundary
+    run_deltanet_two_calls(d, 3, 62, 55 + d);   // first call shorter than the conv window
+    run_deltanet_two_calls(d, 64, 1, 56 + d);   // one full chunk, then a single token
+  }
+}
+
+TEST(CudaPrefillDeltaNet, RejectsUnsupportedHeadDims) {
+  REQUIRE_GPU();
+  PrefillDeltaNetArgs a;
+  a.T = 4;
+  a.nk = 2;
+  a.nv = 4;
+  a.dk = a.dv = 96;
+  EXPECT_THROW(prefill_deltanet(a, nullptr), Error);
+  a.dk = 64;
+  a.dv = 128;
+  EXPECT_THROW(prefill_deltanet(a, nullptr), Error);
+  a.dk = a.dv = 256;
+  EXPECT_THROW(prefill_deltanet(a, nullptr), Error);
 }
 
 TEST(CudaPrefillDeltaNet, GatedRmsNormMatchesCpu) {
@@ -628,10 +804,11 @@ TEST(CudaPrefillDeltaNet, GatedRmsNormMatchesCpu) {
 
 // ---- attention --------------------------------------------------------------------
 
-void run_attention_case(int T, int P, bool gated, uint64_t seed) {
-  SCOPED_TRACE(::testing::Message() << "T " << T << " P " << P << " gated " << gated);
+void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, int nkv = 2, int hd = 256) {
+  SCOPED_TRACE(::testing::Message() << "T " << T << " P " << P << " gated " << gated << " nh " << nh
+                                    << " nkv " << nkv << " head_dim " << hd);
   Rng r(seed);
-  const int nh = 16, nkv = 2, hd = 256, cap = P + T + 5;
+  const int cap = P + T + 5;
   const size_t q_row = size_t(nh) * 2 * hd, q_head = 2 * hd;  // the q_proj layout: [query | gate] per head
   std::vector<uint16_t> qb, kb, vb;
   std::vector<float> qf, kf, vf;
@@ -639,7 +816,7 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed) {
   random_bf16(r, size_t(nkv) * cap * hd, 1.f, kb, kf);
   random_bf16(r, size_t(nkv) * cap * hd, 1.f, vb, vf);
   std::vector<float> ref(size_t(T) * nh * hd);
-  const double scale = 1.0 / 16.0;
+  const double scale = 1.0 / std::sqrt(double(hd));
   std::vector<double> sc(P + T);
   for (int t = 0; t < T; ++t)
     for (int h = 0; h < nh; ++h) {
@@ -670,6 +847,9 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed) {
   PrefillAttentionArgs a;
   a.T = T;
   a.first_position = P;
+  a.nh = nh;
+  a.nkv = nkv;
+  a.head_dim = hd;
   a.q = dq.as<uint16_t>();
   a.gate = gated ? dq.as<uint16_t>() + hd : nullptr;
   a.q_row_stride = q_row;
@@ -685,7 +865,8 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed) {
   for (int t = 0; t < T; ++t)
     for (int i = 0; i < nh * hd; ++i) got[size_t(t) * nh * hd + i] = bf16_to_f32(h[size_t(t) * out_row + i]);
   const double e = rel_err(got, ref);
-  std::printf("  attention T=%d P=%d gated=%d: rel err %.3g\n", T, P, int(gated), e);
+  std::printf("  attention hd=%d nh=%d nkv=%d T=%d P=%d gated=%d: rel err %.3g\n", hd, nh, nkv, T, P,
+              int(gated), e);
   // P is rounded to bf16 before P.V (2^-9 relative per weight) and the output
   // to bf16 (2^-9): a few 1e-3.
   EXPECT_LT(e, 1e-2);
@@ -696,6 +877,52 @@ TEST(CudaPrefillAttention, MatchesCpu) {
   run_attention_case(150, 77, true, 71);
   run_attention_case(200, 0, true, 72);
   run_attention_case(5, 300, false, 73);
+}
+
+// Smaller head dims: T not a multiple of the 128-row query tile or the
+// 64-position key tile, with and without cached positions before the queries,
+// with and without the gate.
+void run_attention_small(int hd, int nh, int nkv, uint64_t seed) {
+  run_attention_case(1, 0, false, seed + 0, nh, nkv, hd);
+  run_attention_case(1, 45, true, seed + 1, nh, nkv, hd);
+  run_attention_case(37, 0, true, seed + 2, nh, nkv, hd);
+  run_attention_case(37, 91, false, seed + 3, nh, nkv, hd);
+  run_attention_case(200, 0, false, seed + 4, nh, nkv, hd);
+  run_attention_case(200, 70, true, seed + 5, nh, nkv, hd);
+}
+
+TEST(CudaPrefillAttention, HeadDim32MatchesCpu) {  // the test fixtures' shape
+  REQUIRE_GPU();
+  run_attention_small(32, 4, 2, 74);
+}
+
+TEST(CudaPrefillAttention, HeadDim64MatchesCpu) {
+  REQUIRE_GPU();
+  run_attention_small(64, 6, 2, 80);
+}
+
+TEST(CudaPrefillAttention, HeadDim128MatchesCpu) {
+  REQUIRE_GPU();
+  run_attention_small(128, 8, 4, 86);
+}
+
+TEST(CudaPrefillAttention, RejectsUnsupportedHeadDim) {
+  REQUIRE_GPU();
+  Dev buf(1 << 16);
+  PrefillAttentionArgs a;
+  a.T = 4;
+  a.nh = 4;
+  a.nkv = 2;
+  a.q = a.k_cache = a.v_cache = buf.as<uint16_t>();
+  a.out = buf.as<uint16_t>();
+  a.q_row_stride = 512;
+  a.q_head_stride = 128;
+  a.capacity = 64;
+  a.out_row_stride = 512;
+  for (int hd : {16, 48, 96, 512}) {
+    a.head_dim = hd;
+    EXPECT_THROW(prefill_attention(a, nullptr), Error) << "head_dim " << hd;
+  }
 }
 
 // ---- timings (LILY_PREFILL_BENCH=1) ---------------------------------------------------

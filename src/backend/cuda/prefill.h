@@ -41,6 +41,11 @@ struct PrefillWeight {
   bool sb_f16 = false;
   // Stacks only: distance between consecutive experts' w (bytes) and sb (u32).
   size_t expert_w_bytes = 0, expert_sb_words = 0;
+  // Distance between consecutive rows, 0 = packed (cols*bits/8 bytes, cols/64
+  // words). Gate/up interleaved by rows (the decode upload's fused SwiGLU,
+  // gate i at row 2i, up i at 2i+1) is two views: gate {w, sb}, up {w + one
+  // row, sb + cols/64}, both with twice the packed strides.
+  size_t row_stride_bytes = 0, sb_row_stride_words = 0;
 };
 
 // ---- dense GEMM: y[T][N] = x[T][K] . W^T --------------------------------------
@@ -95,7 +100,9 @@ void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream);
 struct PrefillDeltaNetArgs {
   int T = 0;
   int first_position = 0;  // tokens already in the sequence (P)
-  int nk = 16, nv = 32, dk = 128, dv = 128, conv_kernel = 4;  // dk = dv = 128, kernel 4 only
+  // dk = dv, one of 32, 64, 128 (128: the production model; 32: the test
+  // fixtures); conv kernel 4 only.
+  int nk = 16, nv = 32, dk = 128, dv = 128, conv_kernel = 4;
   // Raw projections (f32): qkv [T][ld_qkv] with C = 2*nk*dk + nv*dv channels
   // [all q | all k | all v]; a, b [T][ld_ab] with nv values each.
   const float* qkv = nullptr;
@@ -114,6 +121,7 @@ struct PrefillDeltaNetArgs {
   size_t workspace_bytes = 0;
 };
 size_t prefill_deltanet_workspace_bytes(int T, int nk, int nv, int dk, int dv);
+// Throws lily::Error for head dims outside {32, 64, 128} or dk != dv.
 // conv1d + SiLU with the carried ring, L2 norm of q/k (q also / sqrt(dk)),
 // beta/g gates, then the chunked (64) delta rule: a parallel pass per
 // (head, chunk) for the WY factors and a sequential pass per (head, 32-column
@@ -131,10 +139,12 @@ void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t l
 void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, float eps,
                      uint16_t* out, size_t ldo, cudaStream_t stream);
 
-// ---- causal flash attention (GQA, head_dim 256, sigmoid output gate) ------------
+// ---- causal flash attention (GQA, head_dim 32/64/128/256, sigmoid output gate) --
 struct PrefillAttentionArgs {
   int T = 0, first_position = 0;  // queries are positions [P, P + T)
-  int nh = 16, nkv = 2, head_dim = 256;  // head_dim 256 only
+  // head_dim 32, 64, 128 or 256 (256: the production model; 32: the test
+  // fixtures); other values throw lily::Error.
+  int nh = 16, nkv = 2, head_dim = 256;
   // bf16, already normed and roped: element (t, h, d) at
   // q[t * q_row_stride + h * q_head_stride + d]; gate (nullable) the same way.
   const uint16_t* q = nullptr;

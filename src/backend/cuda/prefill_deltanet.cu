@@ -12,8 +12,12 @@
 //     A, P, the substitution, U and W, written to the workspace.
 //  2. dn_state_kernel, one block per (value head, 32-column slice of S): the
 //     columns of S evolve independently (v_new, o and the update all act
-//     column-wise), so 4 blocks per head carry the state through the chunks
-//     sequentially, each with its 128 x 32 slice of S in shared memory (f32).
+//     column-wise), so D / 32 blocks per head carry the state through the
+//     chunks sequentially, each with its D x 32 slice of S in shared memory (f32).
+//
+// Head dims: dk = dv = D with D in {32, 64, 128}; every kernel that depends on
+// D is a template on it (128 is the production model's, the smaller ones serve
+// the test fixtures and other Qwen3-family sizes). Conv kernel 4 only.
 #include <algorithm>
 #include <cmath>
 
@@ -26,11 +30,28 @@ namespace {
 using namespace prefill_detail;
 
 constexpr int kChunk = 64;
-constexpr int kD = 128;     // dk = dv
 constexpr int kConvK = 4;
-constexpr int kPad = 132;   // row stride (floats) of 128-wide tiles: float4 rows hit distinct banks
-constexpr int kPadA = 68;   // row stride of 64-wide tiles
-constexpr int kSlice = 32;  // state columns per block in the sequential pass
+constexpr int kPadA = 68;   // row stride (floats) of 64-wide tiles
+constexpr int kSlice = 32;  // state columns per block in the sequential pass (one per lane)
+constexpr int kDnThreads = 256;
+
+// Compile-time sizes of one head-dim instantiation (dk = dv = D).
+template <int D>
+struct DnShape {
+  static_assert(D == 32 || D == 64 || D == 128, "DeltaNet head dim 32, 64 or 128");
+  static_assert(kSlice <= D && D % kSlice == 0, "state slices must tile the columns");
+  // Row stride (floats) of D-wide tiles: D/4 + 1 16-byte units, odd, so the
+  // float4s of 8 consecutive rows hit distinct bank groups.
+  static constexpr int kPad = D + 4;
+  // The chunk kernel's Q tile is reused for X (64 x 64, stride kPadA).
+  static constexpr int kQRegion = kChunk * (kPad > kPadA ? kPad : kPadA);
+  static constexpr int kLog2D = D == 128 ? 7 : D == 64 ? 6 : 5;
+  static constexpr int kRowGroups = kDnThreads / D;  // U/W pass: threads per column
+  static constexpr size_t kChunkSmemFloats =
+      2 * kChunk * kPad + kQRegion + kChunk * kPadA + 3 * kChunk;
+  static constexpr size_t kStateSmemFloats =
+      3 * kChunk * kPad + kChunk * kPadA + 2 * kChunk * kSlice + D * kSlice + 3 * kChunk;
+};
 
 // ---- 1. conv + SiLU + norms + gates ----------------------------------------------
 struct PrepParams {
@@ -49,7 +70,9 @@ struct PrepParams {
   float* g;    // [T][nv]
 };
 
-__global__ void __launch_bounds__(256) dn_prep_kernel(const PrepParams p) {
+template <int D>
+__global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p) {
+  constexpr int kD = D;
   extern __shared__ float s_act[];  // C floats
   const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int ch = tid; ch < p.C; ch += blockDim.x) {
@@ -109,19 +132,20 @@ struct ChunkParams {
   const float* beta; // [T][nv]
   const float* g;
   int T, nk, nv, C, nchunks;
-  float* U;  // [nv][T][128]
-  float* W;  // [nv][T][128]
+  float* U;  // [nv][T][D]
+  float* W;  // [nv][T][D]
   float* Pm; // [nv][nchunks][64][64]
   float* c;  // [nv][T]
 };
 
-constexpr size_t kChunkSmemFloats = 3 * kChunk * kPad + kChunk * kPadA + 3 * kChunk;
-
-__global__ void __launch_bounds__(256) dn_chunk_kernel(const ChunkParams p) {
+template <int D>
+__global__ void __launch_bounds__(kDnThreads) dn_chunk_kernel(const ChunkParams p) {
+  using Sh = DnShape<D>;
+  constexpr int kD = D, kPad = Sh::kPad;
   extern __shared__ float sm[];
   float* Ks = sm;
-  float* Qs = Ks + kChunk * kPad;
-  float* Vs = Qs + kChunk * kPad;
+  float* Qs = Ks + kChunk * kPad;  // kQRegion floats: Q, then X
+  float* Vs = Qs + Sh::kQRegion;
   float* As = Vs + kChunk * kPad;
   float* cs = As + kChunk * kPadA;
   float* bs = cs + kChunk;
@@ -131,23 +155,21 @@ __global__ void __launch_bounds__(256) dn_chunk_kernel(const ChunkParams p) {
   const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
   const int kh = h / (p.nv / p.nk);
 
+  // All three 64 x D tiles in flight at once (rows past the end zero-filled).
   for (int idx = tid; idx < kChunk * (kD / 4); idx += blockDim.x) {
     const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
-    float4 kq = make_float4(0, 0, 0, 0), qq = kq, vv = kq;
-    if (i < L) {
-      const float* row = p.act + size_t(t0 + i) * p.C;
-      qq = *reinterpret_cast<const float4*>(row + kh * kD + x);
-      kq = *reinterpret_cast<const float4*>(row + p.nk * kD + kh * kD + x);
-      vv = *reinterpret_cast<const float4*>(row + 2 * p.nk * kD + h * kD + x);
-    }
-    *reinterpret_cast<float4*>(Ks + i * kPad + x) = kq;
-    *reinterpret_cast<float4*>(Qs + i * kPad + x) = qq;
-    *reinterpret_cast<float4*>(Vs + i * kPad + x) = vv;
+    const bool ok = i < L;
+    const float* row = p.act + size_t(ok ? t0 + i : 0) * p.C;
+    cp_async16(Qs + i * kPad + x, row + kh * kD + x, ok ? 16 : 0);
+    cp_async16(Ks + i * kPad + x, row + p.nk * kD + kh * kD + x, ok ? 16 : 0);
+    cp_async16(Vs + i * kPad + x, row + 2 * p.nk * kD + h * kD + x, ok ? 16 : 0);
   }
+  cp_async_commit();
   if (tid < kChunk) {
     bs[tid] = tid < L ? p.beta[size_t(t0 + tid) * p.nv + h] : 0.f;
     cs[tid] = tid < L ? p.g[size_t(t0 + tid) * p.nv + h] : 0.f;
   }
+  cp_async_wait<0>();
   __syncthreads();
   if (tid == 0) {  // sequential, as the CPU accumulates it
     float acc = 0.f;
@@ -207,33 +229,35 @@ __global__ void __launch_bounds__(256) dn_chunk_kernel(const ChunkParams p) {
   }
   __syncthreads();
 
-  // Forward substitution, row by row (one warp; rows above i are final).
-  // Afterwards As holds X = (I - A)^-1 - I (strictly lower).
-  if (warp == 0) {
-    for (int i = 1; i < L; ++i) {
-      const int j0 = lane, j1 = lane + 32;
-      float s0 = j0 < i ? As[i * kPadA + j0] : 0.f;
-      float s1 = j1 < i ? As[i * kPadA + j1] : 0.f;
-      for (int m = 1; m < i; ++m) {
-        const float r = As[i * kPadA + m];
-        if (m > j0) s0 = fmaf(r, As[m * kPadA + j0], s0);
-        if (m > j1) s1 = fmaf(r, As[m * kPadA + j1], s1);
-      }
-      __syncwarp();
-      if (j0 < i) As[i * kPadA + j0] = s0;
-      if (j1 < i) As[i * kPadA + j1] = s1;
+  // Forward substitution into X = (I - A)^-1 - I (strictly lower), in the Q
+  // tile's storage (Q is no longer needed):
+  //   X[i][j] = A[i][j] + sum_{j<m<i} A[i][m] X[m][j].
+  // Columns are independent and each is sequential in i, so warp w owns
+  // columns 8w .. 8w+7, four lanes per column splitting the sum over m; a
+  // column's earlier rows were written by the same warp (__syncwarp orders them).
+  float* X = Qs;
+  {
+    const int j = warp * 8 + (lane >> 2), part = lane & 3;
+    for (int i = 0; i < kChunk; ++i) {
+      float sum = 0.f;
+      for (int m = j + 1 + part; m < i; m += 4) sum = fmaf(As[i * kPadA + m], X[m * kPadA + j], sum);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (part == 0) X[i * kPadA + j] = j < i ? As[i * kPadA + j] + sum : 0.f;
       __syncwarp();
     }
   }
   __syncthreads();
 
   // U = (I + A) (beta v), W = (I + A) (beta k e^c): thread owns column y and
-  // the rows of one parity.
+  // the rows i = G r + par (G = 256 / D threads per column, par = tid / D,
+  // warp-uniform).
   {
-    const int y = tid & (kD - 1), par = tid >> 7;
-    float au[32], aw[32];
+    constexpr int G = Sh::kRowGroups, R = kChunk / G;
+    const int y = tid & (kD - 1), par = tid >> Sh::kLog2D;
+    float au[R], aw[R];
 #pragma unroll
-    for (int r = 0; r < 32; ++r) au[r] = aw[r] = 0.f;
+    for (int r = 0; r < R; ++r) au[r] = aw[r] = 0.f;
     for (int j = 0; j < kChunk; j += 4) {
       float bv[4], kb[4];
 #pragma unroll
@@ -242,8 +266,8 @@ __global__ void __launch_bounds__(256) dn_chunk_kernel(const ChunkParams p) {
         kb[e] = bs[j + e] * Ks[(j + e) * kPad + y] * ec[j + e];
       }
 #pragma unroll
-      for (int r = 0; r < 32; ++r) {
-        const float4 a4 = *reinterpret_cast<const float4*>(As + (2 * r + par) * kPadA + j);
+      for (int r = 0; r < R; ++r) {
+        const float4 a4 = *reinterpret_cast<const float4*>(X + (G * r + par) * kPadA + j);
         au[r] = fmaf(a4.x, bv[0], au[r]);
         au[r] = fmaf(a4.y, bv[1], au[r]);
         au[r] = fmaf(a4.z, bv[2], au[r]);
@@ -255,8 +279,8 @@ __global__ void __launch_bounds__(256) dn_chunk_kernel(const ChunkParams p) {
       }
     }
 #pragma unroll
-    for (int r = 0; r < 32; ++r) {
-      const int i = 2 * r + par;
+    for (int r = 0; r < R; ++r) {
+      const int i = G * r + par;
       if (i < L) {
         const size_t o = (size_t(h) * p.T + t0 + i) * kD + y;
         p.U[o] = bs[i] * Vs[i * kPad + y] + au[r];
@@ -273,24 +297,30 @@ struct StateParams {
   const float* W;
   const float* Pm;
   const float* c;
-  float* state;  // [nv][128][128]
+  float* state;  // [nv][D][D]
   float* out;
   size_t ld_out;
   int T, nk, nv, C, nchunks;
 };
 
-constexpr size_t kStateSmemFloats = 3 * kChunk * kPad + kChunk * kPadA + kChunk * kSlice +
-                                    kD * kSlice + kChunk;
-
-__global__ void __launch_bounds__(256, 1) dn_state_kernel(const StateParams p) {
-  extern __shared__ float sm[];
+// Chunk ci's tiles arrive by cp.async in two groups, each issued as soon as
+// its buffers are free in chunk ci-1, so the loads overlap the previous
+// chunk's arithmetic: group A = {W, q, U slice, c} (needed first), group
+// B = {P, k} (needed after v_new). q and k are copied raw; their decay
+// factors are applied to the sums instead (o: e^c_i, update: e^(c_L - c_j)).
+template <int D>
+__global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StateParams p) {
+  constexpr int kD = D, kPad = DnShape<D>::kPad;
+  extern __shared__ __align__(16) float sm[];
   float* Wc = sm;
   float* Qc = Wc + kChunk * kPad;
   float* Kc = Qc + kChunk * kPad;
   float* Pc = Kc + kChunk * kPad;
-  float* Uc = Pc + kChunk * kPadA;  // U, then v_new in place
-  float* S = Uc + kChunk * kSlice;  // [128][32]
-  float* cc = S + kD * kSlice;
+  float* Uc = Pc + kChunk * kPadA;   // U slice
+  float* VN = Uc + kChunk * kSlice;  // v_new slice
+  float* S = VN + kChunk * kSlice;   // [D][32]
+  float* cc = S + kD * kSlice;       // [2][64]
+  float* fj = cc + 2 * kChunk;       // e^(c_L - c_j)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int slices = kD / kSlice;
   const int h = blockIdx.x / slices, y0 = (blockIdx.x % slices) * kSlice;
@@ -301,39 +331,56 @@ __global__ void __launch_bounds__(256, 1) dn_state_kernel(const StateParams p) {
     S[idx] = st[x * kD + y0 + y];
   }
 
-  for (int ci = 0; ci < p.nchunks; ++ci) {
+  auto issue_a = [&](int ci) {
     const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
-    if (tid < kChunk) cc[tid] = tid < L ? p.c[size_t(h) * p.T + t0 + tid] : 0.f;
-    __syncthreads();
-    const float cL = cc[L - 1];
+    float* cb = cc + (ci & 1) * kChunk;
     for (int idx = tid; idx < kChunk * (kD / 4); idx += blockDim.x) {
       const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
-      float4 w4 = make_float4(0, 0, 0, 0), q4 = w4, k4 = w4;
-      if (i < L) {
-        w4 = *reinterpret_cast<const float4*>(p.W + (size_t(h) * p.T + t0 + i) * kD + x);
-        const float* row = p.act + size_t(t0 + i) * p.C;
-        q4 = *reinterpret_cast<const float4*>(row + kh * kD + x);
-        k4 = *reinterpret_cast<const float4*>(row + p.nk * kD + kh * kD + x);
-        const float eq = expf(cc[i]), ek = expf(cL - cc[i]);
-        q4.x *= eq; q4.y *= eq; q4.z *= eq; q4.w *= eq;
-        k4.x *= ek; k4.y *= ek; k4.z *= ek; k4.w *= ek;
-      }
-      *reinterpret_cast<float4*>(Wc + i * kPad + x) = w4;
-      *reinterpret_cast<float4*>(Qc + i * kPad + x) = q4;
-      *reinterpret_cast<float4*>(Kc + i * kPad + x) = k4;
+      const bool ok = i < L;
+      const int t = ok ? t0 + i : 0;
+      cp_async16(Wc + i * kPad + x, p.W + (size_t(h) * p.T + t) * kD + x, ok ? 16 : 0);
+      cp_async16(Qc + i * kPad + x, p.act + size_t(t) * p.C + kh * kD + x, ok ? 16 : 0);
+    }
+    for (int idx = tid; idx < kChunk * (kSlice / 4); idx += blockDim.x) {
+      const int i = idx / (kSlice / 4), y = (idx % (kSlice / 4)) * 4;
+      const bool ok = i < L;
+      const int t = ok ? t0 + i : 0;
+      cp_async16(Uc + i * kSlice + y, p.U + (size_t(h) * p.T + t) * kD + y0 + y, ok ? 16 : 0);
+    }
+    if (tid < kChunk) {
+      const bool ok = tid < L;
+      cp_async4(cb + tid, p.c + size_t(h) * p.T + (ok ? t0 + tid : 0), ok ? 4 : 0);
+    }
+  };
+  auto issue_b = [&](int ci) {
+    const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
+    for (int idx = tid; idx < kChunk * (kD / 4); idx += blockDim.x) {
+      const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
+      const bool ok = i < L;
+      const int t = ok ? t0 + i : 0;
+      cp_async16(Kc + i * kPad + x, p.act + size_t(t) * p.C + p.nk * kD + kh * kD + x, ok ? 16 : 0);
     }
     const float* Psrc = p.Pm + (size_t(h) * p.nchunks + ci) * kChunk * kChunk;
     for (int idx = tid; idx < kChunk * kChunk / 4; idx += blockDim.x) {
       const int i = idx / (kChunk / 4), j = (idx % (kChunk / 4)) * 4;
-      *reinterpret_cast<float4*>(Pc + i * kPadA + j) = *reinterpret_cast<const float4*>(Psrc + i * kChunk + j);
+      cp_async16(Pc + i * kPadA + j, Psrc + i * kChunk + j, 16);
     }
-    for (int idx = tid; idx < kChunk * kSlice; idx += blockDim.x) {
-      const int i = idx / kSlice, y = idx % kSlice;
-      Uc[idx] = i < L ? p.U[(size_t(h) * p.T + t0 + i) * kD + y0 + y] : 0.f;
-    }
-    __syncthreads();
+  };
 
-    // v_new = U - W S and (q e^c) S for rows warp*8 .. +8, column `lane`.
+  issue_a(0);
+  cp_async_commit();
+  issue_b(0);
+  cp_async_commit();
+
+  for (int ci = 0; ci < p.nchunks; ++ci) {
+    const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
+    const float* cb = cc + (ci & 1) * kChunk;
+    cp_async_wait<1>();  // group A of this chunk
+    __syncthreads();
+    const float cL = cb[L - 1];
+    if (tid < kChunk) fj[tid] = expf(cL - cb[tid]);
+
+    // v_new = U - W S and q S for rows warp*8 .. +8, column `lane`.
     float vn[8], qs[8];
 #pragma unroll
     for (int r = 0; r < 8; ++r) vn[r] = qs[r] = 0.f;
@@ -358,8 +405,13 @@ __global__ void __launch_bounds__(256, 1) dn_state_kernel(const StateParams p) {
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
       const int i = warp * 8 + r;
-      Uc[i * kSlice + lane] -= vn[r];
+      VN[i * kSlice + lane] = Uc[i * kSlice + lane] - vn[r];
+      qs[r] *= expf(cb[i]);
     }
+    __syncthreads();  // W, q, U consumed; v_new and fj visible
+    if (ci + 1 < p.nchunks) issue_a(ci + 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // group B of this chunk
     __syncthreads();
 
     // o = (q e^c) S + P v_new
@@ -369,24 +421,26 @@ __global__ void __launch_bounds__(256, 1) dn_state_kernel(const StateParams p) {
       float o = qs[r];
       for (int j = 0; j < kChunk; j += 4) {
         const float4 p4 = *reinterpret_cast<const float4*>(Pc + i * kPadA + j);
-        o = fmaf(p4.x, Uc[(j + 0) * kSlice + lane], o);
-        o = fmaf(p4.y, Uc[(j + 1) * kSlice + lane], o);
-        o = fmaf(p4.z, Uc[(j + 2) * kSlice + lane], o);
-        o = fmaf(p4.w, Uc[(j + 3) * kSlice + lane], o);
+        o = fmaf(p4.x, VN[(j + 0) * kSlice + lane], o);
+        o = fmaf(p4.y, VN[(j + 1) * kSlice + lane], o);
+        o = fmaf(p4.z, VN[(j + 2) * kSlice + lane], o);
+        o = fmaf(p4.w, VN[(j + 3) * kSlice + lane], o);
       }
       if (i < L) p.out[size_t(t0 + i) * p.ld_out + h * kD + y0 + lane] = o;
     }
-    // S = e^(c_L) S + (k e^(c_L - c))^T v_new, rows warp*16 .. +16.
+    // S = e^(c_L) S + sum_j k_j e^(c_L - c_j) v_new_j^T, rows warp*RW .. +RW
+    // (RW = D / 8: the 8 warps split the D rows of the slice).
     {
+      constexpr int RW = kD / 8;
       const float eL = expf(cL);
-      float acc[16];
+      float acc[RW];
 #pragma unroll
-      for (int xx = 0; xx < 16; ++xx) acc[xx] = S[(warp * 16 + xx) * kSlice + lane] * eL;
+      for (int xx = 0; xx < RW; ++xx) acc[xx] = S[(warp * RW + xx) * kSlice + lane] * eL;
       for (int j = 0; j < kChunk; ++j) {
-        const float v = Uc[j * kSlice + lane];
+        const float v = VN[j * kSlice + lane] * fj[j];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float4 k4 = *reinterpret_cast<const float4*>(Kc + j * kPad + warp * 16 + q * 4);
+        for (int q = 0; q < RW / 4; ++q) {
+          const float4 k4 = *reinterpret_cast<const float4*>(Kc + j * kPad + warp * RW + q * 4);
           acc[q * 4 + 0] = fmaf(k4.x, v, acc[q * 4 + 0]);
           acc[q * 4 + 1] = fmaf(k4.y, v, acc[q * 4 + 1]);
           acc[q * 4 + 2] = fmaf(k4.z, v, acc[q * 4 + 2]);
@@ -394,10 +448,13 @@ __global__ void __launch_bounds__(256, 1) dn_state_kernel(const StateParams p) {
         }
       }
 #pragma unroll
-      for (int xx = 0; xx < 16; ++xx) S[(warp * 16 + xx) * kSlice + lane] = acc[xx];
+      for (int xx = 0; xx < RW; ++xx) S[(warp * RW + xx) * kSlice + lane] = acc[xx];
     }
-    __syncthreads();
+    __syncthreads();  // P, k, v_new consumed
+    if (ci + 1 < p.nchunks) issue_b(ci + 1);
+    cp_async_commit();
   }
+  cp_async_wait<0>();
   for (int idx = tid; idx < kD * kSlice; idx += blockDim.x) {
     const int x = idx / kSlice, y = idx % kSlice;
     st[x * kD + y0 + y] = S[idx];
@@ -482,19 +539,15 @@ size_t prefill_deltanet_workspace_bytes(int T, int nk, int nv, int dk, int dv) {
 
 namespace {
 
+// The launches for dk = dv = D, after run_deltanet's checks.
 // ev (optional): 5 events recorded around the 4 launches.
-void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
+template <int D>
+void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
+  using Sh = DnShape<D>;
+  constexpr int kD = D;
   auto mark = [&](int i) {
     if (ev) check(cudaEventRecord(ev[i], stream), "cudaEventRecord");
   };
-  if (a.dk != kD || a.dv != kD) fail("prefill_deltanet: head dims must be 128 (got ", a.dk, ", ", a.dv, ")");
-  if (a.conv_kernel != kConvK) fail("prefill_deltanet: conv kernel must be 4 (got ", a.conv_kernel, ")");
-  if (a.nk <= 0 || a.nv <= 0 || a.nv % a.nk != 0)
-    fail("prefill_deltanet: value heads (", a.nv, ") must be a multiple of key heads (", a.nk, ")");
-  if (a.T <= 0) return;
-  if (a.first_position < 0) fail("prefill_deltanet: negative first position");
-  if (!a.qkv || !a.a || !a.b || !a.conv_w || !a.conv_ring || !a.a_log || !a.dt_bias || !a.state || !a.out)
-    fail("prefill_deltanet: a required pointer is null");
   const int C = 2 * a.nk * kD + a.nv * kD;
   if (a.ld_qkv < size_t(C) || a.ld_ab < size_t(a.nv) || a.ld_out < size_t(a.nv) * kD)
     fail("prefill_deltanet: a row stride is below its row length");
@@ -510,11 +563,11 @@ void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t
   PrepParams pp{a.qkv, a.ld_qkv, a.a, a.b, a.ld_ab, a.conv_w, a.conv_ring, a.a_log, a.dt_bias,
                 a.T, a.first_position, a.nk, a.nv, C, act, beta, g};
   const size_t prep_smem = size_t(C) * 4;
-  static const bool prep_ok = (set_smem(dn_prep_kernel, 96 * 1024, "cudaFuncSetAttribute(dn_prep_kernel)"), true);
+  static const bool prep_ok = (set_smem(dn_prep_kernel<D>, 96 * 1024, "cudaFuncSetAttribute(dn_prep_kernel)"), true);
   (void)prep_ok;
   if (prep_smem > 96 * 1024) fail("prefill_deltanet: too many channels (", C, ")");
   mark(0);
-  dn_prep_kernel<<<a.T, 256, prep_smem, stream>>>(pp);
+  dn_prep_kernel<D><<<a.T, kDnThreads, prep_smem, stream>>>(pp);
   check_launch("dn_prep_kernel");
   mark(1);
   dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring);
@@ -524,20 +577,37 @@ void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t
   ChunkParams cp{act, beta, g, a.T, a.nk, a.nv, C, nchunks,
                  reinterpret_cast<float*>(ws + L.U), reinterpret_cast<float*>(ws + L.W),
                  reinterpret_cast<float*>(ws + L.Pm), reinterpret_cast<float*>(ws + L.c)};
-  const size_t chunk_smem = kChunkSmemFloats * 4;
-  static const bool chunk_ok = (set_smem(dn_chunk_kernel, chunk_smem, "cudaFuncSetAttribute(dn_chunk_kernel)"), true);
+  const size_t chunk_smem = Sh::kChunkSmemFloats * 4;
+  static const bool chunk_ok = (set_smem(dn_chunk_kernel<D>, chunk_smem, "cudaFuncSetAttribute(dn_chunk_kernel)"), true);
   (void)chunk_ok;
-  dn_chunk_kernel<<<dim3(nchunks, a.nv), 256, chunk_smem, stream>>>(cp);
+  dn_chunk_kernel<D><<<dim3(nchunks, a.nv), kDnThreads, chunk_smem, stream>>>(cp);
   check_launch("dn_chunk_kernel");
   mark(3);
 
   StateParams sp{act, cp.U, cp.W, cp.Pm, cp.c, a.state, a.out, a.ld_out, a.T, a.nk, a.nv, C, nchunks};
-  const size_t state_smem = kStateSmemFloats * 4;
-  static const bool state_ok = (set_smem(dn_state_kernel, state_smem, "cudaFuncSetAttribute(dn_state_kernel)"), true);
+  const size_t state_smem = Sh::kStateSmemFloats * 4;
+  static const bool state_ok = (set_smem(dn_state_kernel<D>, state_smem, "cudaFuncSetAttribute(dn_state_kernel)"), true);
   (void)state_ok;
-  dn_state_kernel<<<a.nv * (kD / kSlice), 256, state_smem, stream>>>(sp);
+  dn_state_kernel<D><<<a.nv * (kD / kSlice), kDnThreads, state_smem, stream>>>(sp);
   check_launch("dn_state_kernel");
   mark(4);
+}
+
+void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
+  if (a.dk != a.dv || (a.dk != 32 && a.dk != 64 && a.dk != 128))
+    fail("prefill_deltanet: head dims must be equal and one of 32, 64, 128 (got dk ", a.dk, ", dv ", a.dv, ")");
+  if (a.conv_kernel != kConvK) fail("prefill_deltanet: conv kernel must be 4 (got ", a.conv_kernel, ")");
+  if (a.nk <= 0 || a.nv <= 0 || a.nv % a.nk != 0)
+    fail("prefill_deltanet: value heads (", a.nv, ") must be a multiple of key heads (", a.nk, ")");
+  if (a.T <= 0) return;
+  if (a.first_position < 0) fail("prefill_deltanet: negative first position");
+  if (!a.qkv || !a.a || !a.b || !a.conv_w || !a.conv_ring || !a.a_log || !a.dt_bias || !a.state || !a.out)
+    fail("prefill_deltanet: a required pointer is null");
+  switch (a.dk) {
+    case 32: run_deltanet_d<32>(a, stream, ev); break;
+    case 64: run_deltanet_d<64>(a, stream, ev); break;
+    default: run_deltanet_d<128>(a, stream, ev); break;
+  }
 }
 
 }  // namespace

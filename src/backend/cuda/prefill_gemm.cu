@@ -45,6 +45,7 @@ struct GemmParams {
   const uint32_t* sb2;
   int sb_f16;
   int N, K;
+  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
   size_t expert_w_bytes, expert_sb_words;
   const int* tile_expert;
   const int* tile_row0;
@@ -52,7 +53,8 @@ struct GemmParams {
   const int* num_tiles;
   void* y;
   size_t ldy;
-  int out_kind;  // PrefillOut
+  int out_kind;      // PrefillOut
+  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
 };
 
 template <int F>
@@ -151,8 +153,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 
   // Weight rows of this block: SwiGLU covers 64 outputs (gate rows then up rows).
   const int nb0 = SWIGLU ? blockIdx.y * 64 : blockIdx.y * kBN;
-  const size_t row_bytes = F == kBF16 ? size_t(p.K) * 2 : F == kQ4 ? size_t(p.K) / 2 : size_t(p.K);
-  const int groups = p.K / 64;
+  const size_t row_bytes = p.w_row_stride;
   const uint8_t* wb = p.w + size_t(expert) * p.expert_w_bytes;
   const uint32_t* sbb = p.sb ? p.sb + size_t(expert) * p.expert_sb_words : nullptr;
   const uint8_t* wb2 = SWIGLU ? p.w2 + size_t(expert) * p.expert_w_bytes : nullptr;
@@ -174,8 +175,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   };
   __syncthreads();
 
-  const int KT = p.K / kBK;
-  auto load_stage = [&](int stage, int kt) {
+  // Split-K: this block's k-tiles [kt0, kt0 + KT); partial sums are added
+  // atomically (the launcher zeroes y first for PrefillOut::F32).
+  const int kt0 = blockIdx.z * p.kt_per_split;
+  const int KT = min(p.K / kBK - kt0, p.kt_per_split);
+  const bool split = gridDim.z > 1;
+  auto load_stage = [&](int stage, int kt_local) {
+    const int kt = kt0 + kt_local;
     const int k0 = kt * kBK;
     uint16_t* xs = Xs + size_t(stage) * BM * 64;
 #pragma unroll
@@ -215,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
         const uint8_t* base;
         const uint32_t* sbase;
         const int n = wrow(tid, base, sbase);
-        const uint32_t* src = n >= 0 ? sbase + size_t(n) * groups + kt : p.sb;
+        const uint32_t* src = n >= 0 ? sbase + size_t(n) * p.sb_row_stride + kt : p.sb;
         cp_async4(ws + WTile<F>::codes + tid * 4, src, n >= 0 ? 4 : 0);
       }
     }
@@ -311,7 +317,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
           for (int e = 0; e < 2; ++e) {
             if (col + e >= p.N) continue;
             const float v = acc[mt][nt][half * 2 + e];
-            if (p.out_kind == int(PrefillOut::F32)) {
+            if (split) {
+              atomicAdd(static_cast<float*>(p.y) + orow + col + e, v);
+            } else if (p.out_kind == int(PrefillOut::F32)) {
               static_cast<float*>(p.y)[orow + col + e] = v;
             } else if (p.out_kind == int(PrefillOut::F32Add)) {
               static_cast<float*>(p.y)[orow + col + e] += v;
@@ -359,6 +367,16 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
   }
 }
 
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    return v;
+  }();
+  return n;
+}
+
 const char* fmt_name(PrefillWeightFormat f) {
   return f == PrefillWeightFormat::BF16 ? "bf16" : f == PrefillWeightFormat::Q4 ? "q4" : "q8";
 }
@@ -371,6 +389,7 @@ void validate_weight(const PrefillWeight& w, const char* what) {
   if (reinterpret_cast<uintptr_t>(w.w) % 16 != 0) fail(what, ": weight data must be 16-byte aligned");
   if (w.fmt != PrefillWeightFormat::BF16 && !w.sb)
     fail(what, ": quantized weight (", fmt_name(w.fmt), ") has no scale/bias array");
+  if (w.row_stride_bytes % 16 != 0) fail(what, ": row stride must be a multiple of 16 bytes");
 }
 
 void validate_x(const uint16_t* x, size_t ldx, int K, const char* what) {
@@ -387,8 +406,12 @@ GemmParams base_params(const PrefillWeight& w) {
   p.sb_f16 = w.sb_f16 ? 1 : 0;
   p.N = w.rows;
   p.K = w.cols;
+  const int bits = w.fmt == PrefillWeightFormat::BF16 ? 16 : w.fmt == PrefillWeightFormat::Q4 ? 4 : 8;
+  p.w_row_stride = w.row_stride_bytes ? w.row_stride_bytes : size_t(w.cols) * bits / 8;
+  p.sb_row_stride = w.sb_row_stride_words ? w.sb_row_stride_words : size_t(w.cols) / 64;
   p.expert_w_bytes = w.expert_w_bytes;
   p.expert_sb_words = w.expert_sb_words;
+  p.kt_per_split = w.cols / kBK;
   return p;
 }
 
@@ -577,8 +600,22 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   p.ldy = ldy;
   p.out_kind = int(out);
   const int bm = T <= 64 ? 64 : 128;
-  const dim3 grid((T + bm - 1) / bm, (w.rows + kBN - 1) / kBN);
+  dim3 grid((T + bm - 1) / bm, (w.rows + kBN - 1) / kBN);
   if (grid.y > 65535) fail("prefill_gemm: too many output rows (", w.rows, ")");
+  // Few rows leave most multiprocessors idle: split K so that about two
+  // blocks per multiprocessor run, each streaming at least 4 k-tiles.
+  const int KT = w.cols / kBK;
+  const int blocks = int(grid.x * grid.y), target = 2 * sm_count();
+  if (out != PrefillOut::BF16 && blocks < target && KT >= 8) {
+    int per = std::max(4, (KT * blocks + target - 1) / target);
+    const int splits = (KT + per - 1) / per;
+    if (splits > 1) {
+      p.kt_per_split = per;
+      grid.z = splits;
+      if (out == PrefillOut::F32)
+        check(cudaMemset2DAsync(y, ldy * 4, 0, size_t(w.rows) * 4, T, stream), "cudaMemset2DAsync(prefill_gemm split-K output)");
+    }
+  }
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
 }
 
@@ -586,7 +623,8 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
                          int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream) {
   validate_weight(gate, "prefill_gemm_swiglu (gate)");
   validate_weight(up, "prefill_gemm_swiglu (up)");
-  if (gate.rows != up.rows || gate.cols != up.cols || gate.fmt != up.fmt || gate.sb_f16 != up.sb_f16)
+  if (gate.rows != up.rows || gate.cols != up.cols || gate.fmt != up.fmt || gate.sb_f16 != up.sb_f16 ||
+      gate.row_stride_bytes != up.row_stride_bytes || gate.sb_row_stride_words != up.sb_row_stride_words)
     fail("prefill_gemm_swiglu: gate and up must have the same shape and format");
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
@@ -630,7 +668,8 @@ void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
       a.up.cols != a.hidden || a.down.rows != a.hidden || a.down.cols != a.inter)
     fail("prefill_moe: expert shapes must be gate/up [", a.inter, " x ", a.hidden, "], down [",
          a.hidden, " x ", a.inter, "]");
-  if (a.gate.fmt != a.up.fmt || a.gate.expert_w_bytes != a.up.expert_w_bytes)
+  if (a.gate.fmt != a.up.fmt || a.gate.expert_w_bytes != a.up.expert_w_bytes ||
+      a.gate.row_stride_bytes != a.up.row_stride_bytes || a.gate.sb_row_stride_words != a.up.sb_row_stride_words)
     fail("prefill_moe: gate and up stacks must share format and expert stride");
   if (a.inter % 8 != 0) fail("prefill_moe: intermediate size must be a multiple of 8");
   validate_x(a.x, a.ldx, a.hidden, "prefill_moe");
