@@ -1,9 +1,14 @@
-// lily bench: decode throughput on a real checkpoint or a synthetic model of
-// the exact shape and MLX 4-bit layout. Measurement rules: the cache is put
-// at the context length without a prefill (random KV rows and DeltaNet state:
-// prefill is a later issue), each repeat decodes --tokens greedy tokens from
-// that position with the argmax fed back on the device, timed with device
-// events after --warmup untimed repeats; the median repeat is reported.
+// lily bench: prefill and decode throughput on a real checkpoint or a
+// synthetic model of the exact shape and MLX 4-bit layout.
+// Decode: the cache is put at the context length directly (random KV rows and
+// DeltaNet state), each repeat decodes --tokens greedy tokens from that
+// position with the argmax fed back on the device, timed with device events
+// after --warmup untimed repeats; the median repeat is reported.
+// Prefill (cuda): a prompt of random tokens of each --prefill length into an
+// empty cache, wall time of the whole forward up to the last position's
+// logits on the host (= time to first token), median of repeats; FLOPs count
+// every projection the tokens pass through (the routed experts they select),
+// causal attention and the DeltaNet recurrence.
 // Bytes per token are the minimum a step must move (weights read once, the
 // DeltaNet state read and written, the KV rows read); the fraction is against
 // a device-to-device copy measured in the same run.
@@ -34,11 +39,37 @@ double median(std::vector<double> v) {
 
 struct Setup {
   std::string model_desc, backend;
-  std::vector<int> ctxs;
+  std::vector<int> ctxs, prefill;
   int tokens = 64, warmup = 1, repeats = 5;
   uint64_t seed = 1;
   bool profile = false;
 };
+
+// FLOPs of a prefill of n tokens from an empty cache (multiply-adds x 2).
+double prefill_flops(const ModelConfig& c, double n) {
+  const double H = c.hidden_size;
+  double per_token = 0, attn_pairs = 0, dn = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (c.layer_kinds[l] == LayerKind::FullAttention) {
+      const double q = double(c.num_heads) * c.head_dim * (c.attn_output_gate ? 2 : 1);
+      const double kv = double(c.num_kv_heads) * c.head_dim;
+      per_token += H * (q + 2 * kv) + double(c.num_heads) * c.head_dim * H;
+      attn_pairs += double(c.num_heads) * c.head_dim;  // x 4 x causal pairs below
+    } else {
+      const double C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim();
+      per_token += H * (C + V + 2.0 * c.linear_num_value_heads) + V * H;
+      dn += 3.0 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+    }
+    const bool moe = l < static_cast<int>(c.layer_is_moe.size()) && c.layer_is_moe[l];
+    if (moe) {
+      per_token += H * c.num_experts + 3.0 * H * c.moe_intermediate_size * c.num_experts_per_tok;
+      if (c.shared_expert_intermediate_size > 0) per_token += 3.0 * H * c.shared_expert_intermediate_size + H;
+    } else {
+      per_token += 3.0 * H * c.intermediate_size;
+    }
+  }
+  return 2.0 * (per_token + dn) * n + 4.0 * attn_pairs * n * (n + 1) / 2 + 2.0 * H * c.vocab_size;
+}
 
 #ifdef LILY_HAVE_CUDA
 nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& s,
@@ -132,6 +163,41 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     cache.reset();
   }
   j["results"] = rows;
+
+  // Prefill: time to first token from an empty cache.
+  if (!s.prefill.empty()) {
+    constexpr double kFlopCeiling = 790e12;  // dense bf16 matrix product measured on an H200 (KINDS.md)
+    j["prefill_path"] = b->prefill_enabled() ? "tensor-core prefill kernels"
+                                              : "decode steps (" + b->prefill_disabled_reason() + ")";
+    j["prefill_chunk"] = opt.prefill_chunk;
+    j["flop_ceiling"] = kFlopCeiling;
+    std::printf("\nprefill (%s, chunks of %d tokens), random prompt into an empty cache:\n",
+                j["prefill_path"].get<std::string>().c_str(), opt.prefill_chunk);
+    std::printf("%8s %12s %10s %9s %8s %9s\n", "prompt", "prefill t/s", "TTFT ms", "TFLOP/s", "%floor", "peak GiB");
+    {
+      auto warm = b->new_cache(4096 + 16);
+      b->time_prefill_ms(*warm, std::min(4096, std::max(s.prefill.front(), 2)), s.seed);
+    }
+    nlohmann::ordered_json prow = nlohmann::ordered_json::array();
+    for (int n : s.prefill) {
+      const int reps = n >= 65536 ? 1 : n >= 16384 ? 2 : 3;
+      std::vector<double> ms;
+      size_t peak = 0;
+      for (int r = 0; r < reps; ++r) {
+        auto cache = b->new_cache(n + 16);
+        ms.push_back(b->time_prefill_ms(*cache, n, s.seed + 31 * r));
+        peak = std::max(peak, cuda::device_memory_used());
+      }
+      const double t = median(ms), flops = prefill_flops(c, n);
+      const double tflops = flops / (t * 1e-3) / 1e12;
+      std::printf("%8d %12.0f %10.1f %9.1f %7.1f%% %9.2f\n", n, n / (t * 1e-3), t, tflops,
+                  100 * tflops * 1e12 / kFlopCeiling, peak / double(1ull << 30));
+      prow.push_back({{"prompt_tokens", n}, {"prefill_tok_s", n / (t * 1e-3)}, {"ttft_ms", t},
+                      {"ttft_ms_repeats", ms}, {"flops", flops}, {"tflop_s", tflops},
+                      {"fraction_of_flop_ceiling", tflops * 1e12 / kFlopCeiling}, {"peak_device_bytes", peak}});
+    }
+    j["prefill"] = prow;
+  }
   if (s.profile) {
     for (size_t i = 0; i < profiles.size(); ++i) {
       std::printf("\nper kernel kind: that kind's launches of one step replayed alone in a graph, ctx %d:\n",
@@ -200,11 +266,12 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
-          "--json", "--seed", "--threads"},
+          "--json", "--seed", "--threads", "--prefill"},
          {"--profile"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
+  if (a.has("--prefill") && a.str("--prefill") != "none") s.prefill = parse_int_list(a.str("--prefill"), "--prefill");
   s.tokens = static_cast<int>(a.integer("--tokens", 64, 1, 1 << 16));
   s.warmup = static_cast<int>(a.integer("--warmup", 1, 0, 1000));
   s.repeats = static_cast<int>(a.integer("--repeats", 5, 1, 1000));

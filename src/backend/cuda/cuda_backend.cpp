@@ -12,6 +12,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,8 @@
 
 #include "backend/cuda/cuda_util.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/prefill.h"
+#include "backend/cuda/prefill_glue.h"
 #include "backend/cuda/weights_upload.h"
 #include "core/error.h"
 
@@ -46,6 +49,13 @@ CudaOptions options_from_env() {
   }
   if (const char* v = std::getenv("LILY_CUDA_PDL")) o.pdl = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK")) {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (!end || *end || n < 1 || n > (1 << 20)) fail("LILY_CUDA_PREFILL_CHUNK='", v, "': expected a token count in [1, 1048576]");
+    o.prefill_chunk = static_cast<int>(n);
+  }
   return o;
 }
 
@@ -159,6 +169,23 @@ struct CudaBackend::Impl {
   int num_counters = 0;
   PinnedBuffer pinned;
   size_t weight_bytes = 0;
+
+  // Prefill: the prefill kernels' views of the uploaded weights (no copies).
+  struct PrefillLayer {
+    PrefillWeight in_qkv, in_z, in_b, in_a, out;          // Gated DeltaNet
+    PrefillWeight q, k, v, o;                             // full attention
+    PrefillWeight mlp_gate, mlp_up, mlp_down;             // dense MLP
+    PrefillWeight router, shared_gate, sh_gate, sh_up, sh_down, ex_gate, ex_up, ex_down;  // MoE
+  };
+  std::vector<PrefillLayer> pl;
+  PrefillWeight pw_lm;
+  bool prefill_ok = false, lm_gemm_ok = false;
+  std::string prefill_why;  // why runs of tokens take the decode path (empty: they don't)
+  // Prefill workspace for chunks of up to p_rows tokens (grown on demand).
+  DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSgl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  int p_rows = 0;
+  size_t p_ld_act = 0, p_ld_proj = 0, p_ld_qg = 0;
+  static constexpr int kLogitRows = 256;  // LogitsMode::All: rows of logits per lm_head GEMM
 
   ~Impl() {
     if (stream) cudaStreamDestroy(stream);
@@ -631,6 +658,372 @@ struct CudaBackend::Impl {
       for (const Step& s : build_steps(cache)) s.run(stream, opt.pdl);
     }
   }
+
+  // ---------------------------------------------------------------- prefill --
+  // The prefill kernels' view of an uploaded matrix (no copy): part 0 is the
+  // whole matrix or expert stack, 1 / 2 the gate / up rows of a gate-up
+  // matrix interleaved by rows (upload_interleaved).
+  static bool prefill_view(const DevMatView& v, int experts, int part, const std::string& name,
+                           PrefillWeight& pw, std::string& why) {
+    if (v.rows <= 0 || experts <= 0 || v.rows % (experts * (part ? 2 : 1)) != 0) {
+      why = str_cat(name, ": ", v.rows, " rows do not split into ", experts, " experts");
+      return false;
+    }
+    int bits = 16;
+    switch (v.fmt) {
+      case QFmt::Q4: pw.fmt = PrefillWeightFormat::Q4; bits = 4; break;
+      case QFmt::Q8: pw.fmt = PrefillWeightFormat::Q8; bits = 8; break;
+      case QFmt::BF16: pw.fmt = PrefillWeightFormat::BF16; break;
+      default:
+        why = str_cat(name, ": ", qfmt_name(v.fmt), " weights (the prefill GEMM reads q4, q8 and bf16)");
+        return false;
+    }
+    if (v.cols % 64 != 0) {
+      why = str_cat(name, ": ", v.cols, " columns (the prefill GEMM needs a multiple of 64)");
+      return false;
+    }
+    const bool affine = bits < 16;
+    if (affine && v.groups * 64 != v.cols) {
+      why = str_cat(name, ": quantization group of ", v.cols / std::max(v.groups, 1), " (the prefill GEMM needs 64)");
+      return false;
+    }
+    const size_t row_bytes = size_t(v.chunks) * 16;
+    if (row_bytes * 8 != size_t(v.cols) * bits) {
+      why = str_cat(name, ": padded rows");
+      return false;
+    }
+    const int per_expert = v.rows / experts;
+    pw.rows = part ? per_expert / 2 : per_expert;
+    pw.cols = v.cols;
+    pw.w = v.w;
+    pw.sb = affine ? v.sb : nullptr;
+    pw.sb_f16 = v.sb_f16 != 0;
+    if (experts > 1) {
+      pw.expert_w_bytes = size_t(per_expert) * row_bytes;
+      pw.expert_sb_words = affine ? size_t(per_expert) * v.groups : 0;
+    }
+    if (part) {
+      pw.row_stride_bytes = 2 * row_bytes;
+      pw.sb_row_stride_words = affine ? 2 * size_t(v.groups) : 0;
+      if (part == 2) {
+        pw.w = reinterpret_cast<const char*>(v.w) + row_bytes;
+        if (affine) pw.sb = v.sb + v.groups;
+      }
+    }
+    return true;
+  }
+
+  // Decides once whether runs of tokens take the prefill kernels, and builds
+  // their weight views.
+  void setup_prefill() {
+    prefill_ok = false;
+    pl.clear();
+    auto no = [&](std::string why) { prefill_why = std::move(why); };
+    if (!opt.prefill) return no("turned off (LILY_CUDA_PREFILL=0)");
+    if (!opt.kv_bf16) return no("the prefill attention reads a bf16 KV cache (this backend keeps f32 KV)");
+    auto one_of = [](int v, std::initializer_list<int> set) {
+      return std::find(set.begin(), set.end(), v) != set.end();
+    };
+    bool any_attn = false, any_dn = false;
+    for (LayerKind k : c.layer_kinds) (k == LayerKind::FullAttention ? any_attn : any_dn) = true;
+    if (any_attn && !one_of(c.head_dim, {32, 64, 128, 256}))
+      return no(str_cat("attention head_dim ", c.head_dim, " (prefill supports 32, 64, 128, 256)"));
+    if (any_dn) {
+      if (c.linear_key_head_dim != c.linear_value_head_dim || !one_of(c.linear_key_head_dim, {32, 64, 128}))
+        return no(str_cat("DeltaNet head dims ", c.linear_key_head_dim, " / ", c.linear_value_head_dim,
+                          " (prefill supports equal dims of 32, 64, 128)"));
+      if (c.linear_conv_kernel != 4) return no(str_cat("DeltaNet conv kernel ", c.linear_conv_kernel, " (prefill: 4)"));
+      if (c.linear_num_value_heads % c.linear_num_key_heads != 0)
+        return no("DeltaNet value heads are not a multiple of key heads");
+    }
+    if (c.hidden_size % 64 != 0) return no(str_cat("hidden size ", c.hidden_size, " (not a multiple of 64)"));
+    const int E = c.num_experts;
+    bool any_moe = false;
+    for (const LayerDev& D : layers) any_moe = any_moe || D.is_moe;
+    if (any_moe && (E > 512 || c.num_experts_per_tok > 32 || c.moe_intermediate_size % 8 != 0))
+      return no(str_cat("MoE shape (", E, " experts, top-", c.num_experts_per_tok, ", intermediate ",
+                        c.moe_intermediate_size, ")"));
+    std::string why;
+    std::vector<PrefillLayer> views(c.num_layers);
+    for (int l = 0; l < c.num_layers; ++l) {
+      const LayerDev& D = layers[l];
+      PrefillLayer& W = views[l];
+      bool ok = true;
+      auto view = [&](const DevMat& m, PrefillWeight& pw, const char* name, int experts = 1, int part = 0) {
+        if (ok) ok = prefill_view(m.v, experts, part, str_cat("layer ", l, " ", name), pw, why);
+      };
+      if (D.kind == LayerKind::FullAttention) {
+        view(D.q, W.q, "q_proj");
+        view(D.k, W.k, "k_proj");
+        view(D.v, W.v, "v_proj");
+        view(D.o, W.o, "o_proj");
+      } else {
+        view(D.in_qkv, W.in_qkv, "in_proj_qkv");
+        view(D.in_z, W.in_z, "in_proj_z");
+        view(D.in_b, W.in_b, "in_proj_b");
+        view(D.in_a, W.in_a, "in_proj_a");
+        view(D.out, W.out, "out_proj");
+      }
+      if (!D.is_moe) {
+        view(D.mlp_gate_up, W.mlp_gate, "mlp.gate_proj", 1, 1);
+        view(D.mlp_gate_up, W.mlp_up, "mlp.up_proj", 1, 2);
+        view(D.mlp_down, W.mlp_down, "mlp.down_proj");
+      } else {
+        view(D.router, W.router, "mlp.gate (router)");
+        view(D.experts_gate_up, W.ex_gate, "experts.gate_proj", E, 1);
+        view(D.experts_gate_up, W.ex_up, "experts.up_proj", E, 2);
+        view(D.experts_down, W.ex_down, "experts.down_proj", E);
+        if (D.has_shared) {
+          view(D.shared_gate, W.shared_gate, "shared_expert_gate");
+          view(D.shared_gate_up, W.sh_gate, "shared_expert.gate_proj", 1, 1);
+          view(D.shared_gate_up, W.sh_up, "shared_expert.up_proj", 1, 2);
+          view(D.shared_down, W.sh_down, "shared_expert.down_proj");
+        }
+      }
+      if (!ok) return no(why);
+    }
+    pl = std::move(views);
+    std::string lm_why;
+    lm_gemm_ok = prefill_view(lm_head->v, 1, 0, "lm_head", pw_lm, lm_why);
+    prefill_ok = true;
+    prefill_why.clear();
+  }
+
+  // Workspace for prefill chunks of up to `rows` tokens.
+  void ensure_prefill_rows(int rows) {
+    if (rows <= p_rows) return;
+    LILY_CUDA(cudaStreamSynchronize(stream));
+    const size_t r = size_t(rows), H = size_t(c.hidden_size);
+    const size_t qhs = size_t(c.head_dim) * (c.attn_output_gate ? 2 : 1);
+    const size_t qdim = size_t(c.num_heads) * qhs, kvdim = size_t(c.num_kv_heads) * c.head_dim;
+    size_t proj = qdim + 2 * kvdim;
+    size_t act = std::max({H, size_t(c.num_heads) * c.head_dim, size_t(c.intermediate_size),
+                           size_t(c.shared_expert_intermediate_size)});
+    if (c.is_hybrid()) {
+      proj = std::max(proj, size_t(c.deltanet_qkv_dim()) + c.deltanet_value_dim() + 2 * size_t(c.linear_num_value_heads));
+      act = std::max(act, size_t(c.deltanet_value_dim()));
+    }
+    auto round_up = [](size_t v, size_t m) { return (v + m - 1) / m * m; };
+    p_ld_act = round_up(act, 64);
+    p_ld_proj = round_up(proj, 8);
+    p_ld_qg = round_up(qdim, 8);
+    pX.alloc(r * H * 4);
+    pXn.alloc(r * H * 2);
+    pAct.alloc(r * p_ld_act * 2);
+    pProj.alloc(r * p_ld_proj * 4);
+    pQg.alloc(r * p_ld_qg * 2);
+    pTok.alloc(r * 4);
+    if (c.is_hybrid()) {
+      pDn.alloc(r * c.deltanet_value_dim() * 4);
+      pDnWs.alloc(prefill_deltanet_workspace_bytes(rows, c.linear_num_key_heads, c.linear_num_value_heads,
+                                                   c.linear_key_head_dim, c.linear_value_head_dim));
+    }
+    if (c.num_experts > 0) {
+      pRl.alloc(r * c.num_experts * 4);
+      pSgl.alloc(r * 4);
+      pSo.alloc(r * H * 4);
+      pMoeWs.alloc(prefill_moe_workspace_bytes(rows, c.num_experts, c.num_experts_per_tok, c.hidden_size,
+                                               c.moe_intermediate_size));
+    }
+    pLogits.alloc(size_t(std::min(rows, int(kLogitRows))) * c.vocab_size * 4);
+    p_rows = rows;
+  }
+
+  // Tokens pTok[0, T) at positions [P, P + T) through every layer; the
+  // residual stream ends in pX. Enqueue only.
+  void prefill_layers(CudaCache& cache, int T, int P) {
+    cudaStream_t s = stream;
+    const int H = c.hidden_size;
+    const float eps = c.rms_norm_eps;
+    float* X = pX.as<float>();
+    uint16_t* Xn = pXn.as<uint16_t>();
+    uint16_t* A = pAct.as<uint16_t>();
+    float* Pj = pProj.as<float>();
+    const size_t lda = p_ld_act, ldp = p_ld_proj;
+    launch_embed_rows(embed.v, pTok.as<int>(), T, X, H, s);
+    for (int l = 0; l < c.num_layers; ++l) {
+      const LayerDev& D = layers[l];
+      const PrefillLayer& W = pl[l];
+      prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
+      if (D.kind == LayerKind::DeltaNet) {
+        const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
+        prefill_gemm(W.in_qkv, Xn, T, H, Pj, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.in_z, Xn, T, H, Pj + C, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.in_b, Xn, T, H, Pj + C + V, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.in_a, Xn, T, H, Pj + C + V + nv, ldp, PrefillOut::F32, s);
+        PrefillDeltaNetArgs a;
+        a.T = T;
+        a.first_position = P;
+        a.nk = c.linear_num_key_heads;
+        a.nv = nv;
+        a.dk = c.linear_key_head_dim;
+        a.dv = c.linear_value_head_dim;
+        a.conv_kernel = c.linear_conv_kernel;
+        a.qkv = Pj;
+        a.ld_qkv = ldp;
+        a.b = Pj + C + V;
+        a.a = Pj + C + V + nv;
+        a.ld_ab = ldp;
+        a.conv_w = D.conv_w.as<float>();
+        a.conv_ring = cache.conv[l].as<float>();
+        a.a_log = D.a_log.as<float>();
+        a.dt_bias = D.dt_bias.as<float>();
+        a.state = cache.state[l].as<float>();
+        a.out = pDn.as<float>();
+        a.ld_out = V;
+        a.workspace = pDnWs.get();
+        a.workspace_bytes = pDnWs.bytes();
+        prefill_deltanet(a, s);
+        prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
+                              c.linear_value_head_dim, eps, A, lda, s);
+        prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s);
+      } else {
+        const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
+        const int qdim = c.num_heads * qhs, kvdim = c.num_kv_heads * hd;
+        prefill_gemm(W.q, Xn, T, H, Pj, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.k, Xn, T, H, Pj + qdim, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.v, Xn, T, H, Pj + qdim + kvdim, ldp, PrefillOut::F32, s);
+        AttnPrepParams ap;
+        ap.proj = Pj;
+        ap.ld_proj = ldp;
+        ap.T = T;
+        ap.P = P;
+        ap.nh = c.num_heads;
+        ap.nkv = c.num_kv_heads;
+        ap.hd = hd;
+        ap.q_head_stride = qhs;
+        ap.gated = c.attn_output_gate ? 1 : 0;
+        ap.q_norm = D.q_norm.as<float>();
+        ap.k_norm = D.k_norm.as<float>();
+        ap.eps = eps;
+        ap.inv_freq = inv_freq.as<float>();
+        ap.rotary_dim = c.rotary_dim;
+        ap.qg = pQg.as<uint16_t>();
+        ap.k_cache = cache.k[l].as<uint16_t>();
+        ap.v_cache = cache.v[l].as<uint16_t>();
+        ap.capacity = cache.capacity;
+        launch_attn_prep(ap, s);
+        PrefillAttentionArgs aa;
+        aa.T = T;
+        aa.first_position = P;
+        aa.nh = c.num_heads;
+        aa.nkv = c.num_kv_heads;
+        aa.head_dim = hd;
+        aa.q = pQg.as<uint16_t>();
+        aa.gate = c.attn_output_gate ? pQg.as<uint16_t>() + hd : nullptr;
+        aa.q_row_stride = size_t(qdim);
+        aa.q_head_stride = size_t(qhs);
+        aa.k_cache = cache.k[l].as<uint16_t>();
+        aa.v_cache = cache.v[l].as<uint16_t>();
+        aa.capacity = cache.capacity;
+        aa.out = A;
+        aa.out_row_stride = lda;
+        prefill_attention(aa, s);
+        prefill_gemm(W.o, A, T, lda, X, H, PrefillOut::F32Add, s);
+      }
+      prefill_rmsnorm(X, H, D.post_norm.as<float>(), T, H, eps, Xn, H, s);
+      if (!D.is_moe) {
+        prefill_gemm_swiglu(W.mlp_gate, W.mlp_up, Xn, T, H, A, lda, s);
+        prefill_gemm(W.mlp_down, A, T, lda, X, H, PrefillOut::F32Add, s);
+        continue;
+      }
+      const int E = c.num_experts;
+      prefill_gemm(W.router, Xn, T, H, pRl.as<float>(), E, PrefillOut::F32, s);
+      PrefillMoeArgs m;
+      m.T = T;
+      m.E = E;
+      m.k = c.num_experts_per_tok;
+      m.hidden = H;
+      m.inter = c.moe_intermediate_size;
+      m.x = Xn;
+      m.ldx = H;
+      m.router_logits = pRl.as<float>();
+      m.ld_logits = E;
+      m.norm_topk = c.norm_topk_prob;
+      m.gate = W.ex_gate;
+      m.up = W.ex_up;
+      m.down = W.ex_down;
+      if (D.has_shared) {
+        prefill_gemm(W.shared_gate, Xn, T, H, pSgl.as<float>(), 1, PrefillOut::F32, s);
+        prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s);
+        prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s);
+        m.shared_out = pSo.as<float>();
+        m.ld_shared = H;
+        m.shared_gate_logit = pSgl.as<float>();
+        m.ld_shared_gate = 1;
+      }
+      m.out = X;
+      m.ldo = H;
+      m.accumulate = true;
+      m.workspace = pMoeWs.get();
+      m.workspace_bytes = pMoeWs.bytes();
+      prefill_moe(m, s);
+    }
+  }
+
+  // Logits of residual row r of the chunk: the decode lm_head matvec (final
+  // RMSNorm fused, f32 input) into the host row `dst`.
+  void row_logits(int r, float* dst) {
+    const int H = c.hidden_size, V = c.vocab_size;
+    LILY_CUDA(cudaMemcpyAsync(x.get(), pX.as<float>() + size_t(r) * H, size_t(H) * 4, cudaMemcpyDeviceToDevice,
+                              stream));
+    MatvecParams lm;
+    lm.x = x.as<float>();
+    lm.pro = Prologue::Norm;
+    lm.seg = H;
+    lm.eps = c.rms_norm_eps;
+    lm.norm_w = final_norm.as<float>();
+    lm.epi = Epilogue::Store;
+    std::vector<Step> st;
+    add_matvec(st, "lm_head", {{lm_head, logits.as<float>()}}, lm);
+    for (const Step& step : st) step.run(stream, false);
+    LILY_CUDA(cudaMemcpyAsync(dst, logits.get(), size_t(V) * 4, cudaMemcpyDeviceToHost, stream));
+  }
+
+  // Logits of every row of a chunk of T tokens into host rows dst[0, T).
+  void all_logits(int T, float* dst) {
+    const int H = c.hidden_size, V = c.vocab_size;
+    if (!lm_gemm_ok) {
+      for (int r = 0; r < T; ++r) row_logits(r, dst + size_t(r) * V);
+      return;
+    }
+    prefill_rmsnorm(pX.as<float>(), H, final_norm.as<float>(), T, H, c.rms_norm_eps, pXn.as<uint16_t>(), H, stream);
+    for (int r0 = 0; r0 < T; r0 += kLogitRows) {
+      const int n = std::min(int(kLogitRows), T - r0);
+      prefill_gemm(pw_lm, pXn.as<uint16_t>() + size_t(r0) * H, n, H, pLogits.get(), V, PrefillOut::F32, stream);
+      LILY_CUDA(cudaMemcpyAsync(dst + size_t(r0) * V, pLogits.get(), size_t(n) * V * 4, cudaMemcpyDeviceToHost,
+                                stream));
+      LILY_CUDA(cudaStreamSynchronize(stream));  // pLogits is reused by the next rows
+    }
+  }
+
+  // Appends `tokens` (>= 2) with the prefill kernels, in chunks of at most
+  // opt.prefill_chunk tokens; leaves the control block at the next position.
+  void prefill(CudaCache& cache, std::span<const int> tokens, LogitsMode mode, float* out_logits) {
+    const int T = static_cast<int>(tokens.size()), V = c.vocab_size;
+    const int chunk = std::max(1, opt.prefill_chunk);
+    const int P0 = cache.n_past();
+    ensure_prefill_rows(std::min(T, chunk));
+    const size_t ctrl_off = (size_t(T) * sizeof(int) + 63) / 64 * 64;
+    pinned.ensure(ctrl_off + sizeof(DecodeCtrl));
+    int* host_tokens = pinned.as<int>();
+    std::memcpy(host_tokens, tokens.data(), size_t(T) * sizeof(int));
+    for (int t0 = 0; t0 < T; t0 += chunk) {
+      const int n = std::min(chunk, T - t0);
+      LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens + t0, size_t(n) * sizeof(int), cudaMemcpyHostToDevice,
+                                stream));
+      prefill_layers(cache, n, P0 + t0);
+      if (mode == LogitsMode::All) all_logits(n, out_logits + size_t(t0) * V);
+      else if (t0 + n == T) row_logits(n - 1, out_logits);
+      if (t0 + n < T) LILY_CUDA(cudaStreamSynchronize(stream));  // pTok is rewritten by the next chunk
+    }
+    DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(reinterpret_cast<char*>(pinned.as<char>()) + ctrl_off);
+    *h = DecodeCtrl{};
+    h->pos = P0 + T;
+    h->token = tokens.back();
+    LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), h, sizeof(DecodeCtrl), cudaMemcpyHostToDevice, stream));
+    LILY_CUDA(cudaStreamSynchronize(stream));
+  }
 };
 
 CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOptions& options)
@@ -646,6 +1039,7 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   m.upload_weights(*weights);
   m.alloc_workspace();
+  m.setup_prefill();
   weights.reset();  // the device holds everything now
 }
 
@@ -670,6 +1064,11 @@ void CudaBackend::forward(SequenceCache& base, std::span<const int> tokens, Logi
     if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
   LILY_CUDA(cudaStreamSynchronize(m.stream));  // earlier copies may still read the pinned staging
   m.ensure_capacity(cache, cache.n_past() + T);
+  if (T >= 2 && m.prefill_ok) {
+    m.prefill(cache, tokens, mode, logits);
+    cache.advance(T);
+    return;
+  }
   m.ensure_graph(cache);
   m.pinned.ensure(size_t(T) * sizeof(int) + 16);
   int* host_tokens = m.pinned.as<int>();
@@ -735,6 +1134,26 @@ void CudaBackend::decode_steps(SequenceCache& base, int n, int first_token) {
 }
 
 void CudaBackend::synchronize() { LILY_CUDA(cudaStreamSynchronize(impl_->stream)); }
+
+bool CudaBackend::prefill_enabled() const { return impl_->prefill_ok; }
+std::string CudaBackend::prefill_disabled_reason() const { return impl_->prefill_why; }
+
+double CudaBackend::time_prefill_ms(SequenceCache& cache, int n, uint64_t seed) {
+  std::vector<int> tokens(static_cast<size_t>(std::max(n, 0)));
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (int& t : tokens) {
+    z ^= z >> 33;
+    z *= 0xff51afd7ed558ccdull;
+    z ^= z >> 29;
+    t = static_cast<int>(z % static_cast<uint64_t>(impl_->c.vocab_size));
+  }
+  std::vector<float> logits(impl_->c.vocab_size);
+  synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  forward(cache, tokens, LogitsMode::LastOnly, logits.data());
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::milli>(t1 - t0).count();
+}
 
 double CudaBackend::time_decode_ms(SequenceCache& cache, int n, int first_token) {
   Impl& m = *impl_;

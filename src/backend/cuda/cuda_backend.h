@@ -1,6 +1,6 @@
-// The CUDA backend: the decode forward pass of every supported architecture
-// on one GPU, one token at a time, replayed from a CUDA graph per sequence
-// cache. Prefill runs the decode step token by token for now.
+// The CUDA backend: the forward pass of every supported architecture on one
+// GPU. One token (decode) replays the cache's CUDA graph of matvec kernels;
+// more tokens (prefill) run the tensor-core kernels of prefill.h in chunks.
 //
 // This header compiles without CUDA (the implementation is only built when
 // CMake finds nvcc and defines LILY_HAVE_CUDA).
@@ -29,9 +29,11 @@ struct CudaOptions {
   bool graphs = true;    // replay each decode step from a CUDA graph
   int max_splits = 128;  // context splits of the attention kernel
   uint64_t seed = 1;     // synthetic weights
+  bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
+  int prefill_chunk = 4096;  // tokens per prefill pass (bounds the workspace)
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16, LILY_CUDA_PDL=0|1,
-// LILY_CUDA_GRAPHS=0|1.
+// LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n.
 CudaOptions options_from_env();
 
 struct KernelTiming {
@@ -60,6 +62,11 @@ class CudaBackend : public Backend {
   // queued without any host synchronisation (first input: first_token).
   void decode_steps(SequenceCache& cache, int n, int first_token);
   void synchronize();
+  // Whether runs of several tokens use the prefill kernels, and if not why.
+  bool prefill_enabled() const;
+  std::string prefill_disabled_reason() const;
+  // Device time of a prefill of `n` tokens (random ids) appended to `cache`.
+  double time_prefill_ms(SequenceCache& cache, int n, uint64_t seed);
   // Elapsed device time of `n` decode_steps, measured with events.
   double time_decode_ms(SequenceCache& cache, int n, int first_token);
   // One decode step launch by launch (no graph), timed per kernel with events.

@@ -1,27 +1,16 @@
 // Embedding lookup (first kernel of a decode step) and the random fills used
 // for synthetic benchmark models and caches.
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill_glue.h"
 
 namespace lily::cuda {
 
 namespace {
 
+// x[0..cols) = row `row` of m, dequantized; the block's threads split the
+// row's 16-byte chunks.
 template <QFmt F>
-__global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ EmbedParams p) {
-  pdl_wait();
-  pdl_launch_dependents();
-  __shared__ int s_tok;
-  const DevMatView& m = p.m;
-  if (threadIdx.x == 0) {
-    DecodeCtrl* c = p.ctrl;
-    int tok = (c->use_argmax && c->argmax_key) ? argmax_key_index(c->argmax_key) : c->token;
-    tok = min(max(tok, 0), m.rows - 1);
-    c->token = tok;
-    c->argmax_key = 0;
-    s_tok = tok;
-  }
-  __syncthreads();
-  const size_t row = static_cast<size_t>(s_tok);
+__device__ __forceinline__ void embed_row(const DevMatView& m, size_t row, float* x) {
   constexpr int FPC = ChunkFmt<F>::FPC;
   for (int c = threadIdx.x; c < m.chunks; c += blockDim.x) {
     const uint4 w = m.w[row * m.chunks + c];
@@ -48,8 +37,33 @@ __global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ Embe
     }
 #pragma unroll
     for (int i = 0; i < FPC; ++i)
-      if (c * FPC + i < m.cols) p.x[c * FPC + i] = v[i];
+      if (c * FPC + i < m.cols) x[c * FPC + i] = v[i];
   }
+}
+
+template <QFmt F>
+__global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ EmbedParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
+  __shared__ int s_tok;
+  if (threadIdx.x == 0) {
+    DecodeCtrl* c = p.ctrl;
+    int tok = (c->use_argmax && c->argmax_key) ? argmax_key_index(c->argmax_key) : c->token;
+    tok = min(max(tok, 0), p.m.rows - 1);
+    c->token = tok;
+    c->argmax_key = 0;
+    s_tok = tok;
+  }
+  __syncthreads();
+  embed_row<F>(p.m, static_cast<size_t>(s_tok), p.x);
+}
+
+// One block per token.
+template <QFmt F>
+__global__ void __launch_bounds__(256) embed_rows_kernel(const DevMatView m, const int* tokens, float* x,
+                                                         size_t ldx) {
+  const int tok = min(max(tokens[blockIdx.x], 0), m.rows - 1);
+  embed_row<F>(m, static_cast<size_t>(tok), x + blockIdx.x * ldx);
 }
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -122,6 +136,18 @@ void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl) {
     case QFmt::Q8: return launch_kernel("embed", embed_kernel<QFmt::Q8>, dim3(1), dim3(256), 0, s, pdl, p);
     case QFmt::BF16: return launch_kernel("embed", embed_kernel<QFmt::BF16>, dim3(1), dim3(256), 0, s, pdl, p);
     case QFmt::F32: return launch_kernel("embed", embed_kernel<QFmt::F32>, dim3(1), dim3(256), 0, s, pdl, p);
+  }
+}
+
+void launch_embed_rows(const DevMatView& m, const int* tokens, int T, float* x, size_t ldx,
+                       cudaStream_t s) {
+  if (T <= 0) return;
+  if (ldx < size_t(m.cols)) fail("embed_rows: row stride ", ldx, " is below the width ", m.cols);
+  switch (m.fmt) {
+    case QFmt::Q4: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q4>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
+    case QFmt::Q8: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q8>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
+    case QFmt::BF16: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::BF16>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
+    case QFmt::F32: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::F32>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
   }
 }
 
