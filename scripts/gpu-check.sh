@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA backend's check on a GPU machine: kernel tests, model fixture
-# tests (CUDA vs reference vs CPU) and the decode benchmark, with a summary.
+# The CUDA backend's check on a GPU machine: kernel tests (decode and
+# prefill), model fixture tests (CUDA vs reference vs CPU) and the benchmark
+# (decode and prefill), with a summary.
 #
 #   scripts/gpu-check.sh build   # here (needs nvcc, not a GPU): builds the
 #                                # standalone binaries into build-cuda/
@@ -8,7 +9,7 @@
 #                                # lily_cuda_tests and lily_bench_device)
 #
 # Environment: OUT (log folder, default /tmp/lily-gpu-check), CTX (bench
-# contexts), FILTER (gtest filter), BENCH_ARGS (extra bench arguments),
+# decode contexts), PREFILL (bench prompt lengths, "none" to skip), FILTER (gtest filter), BENCH_ARGS (extra bench arguments),
 # SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,7 @@ run() {
   local tests_rc=0 bench_rc=0
   if [[ ${SKIP_TESTS:-0} != 1 ]]; then
     echo "== tests" | tee -a "$LOG"
-    timeout 200 "$B/lily_cuda_tests" --gtest_filter="${FILTER:-*Cuda*:-*CudaPrefill*}" 2>&1 | tee "$OUT/tests.log" | tail -60
+    timeout 200 "$B/lily_cuda_tests" --gtest_filter="${FILTER:-*Cuda*}" 2>&1 | tee "$OUT/tests.log" | tail -60
     tests_rc=${PIPESTATUS[0]}
     grep -E "^\[ cuda|FAILED|PASSED|SKIPPED" "$OUT/tests.log" >>"$LOG"
   fi
@@ -41,8 +42,8 @@ run() {
     echo "== bench" | tee -a "$LOG"
     nvidia-smi dmon -s pc -d 1 >"$OUT/dmon.log" 2>&1 &
     local dmon=$!
-    timeout 220 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda \
-      --ctx "${CTX:-256,4096,32768,131072}" --profile --json "$OUT/bench-qwen3.6-35b-a3b.json" \
+    timeout 300 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda \
+      --ctx "${CTX:-256,4096,32768,131072}" --prefill "${PREFILL:-256,4096,32768,131072}" --profile --json "$OUT/bench-qwen3.6-35b-a3b.json" \
       ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
     bench_rc=${PIPESTATUS[0]}
     if [[ ${VARIANTS:-1} == 1 ]]; then
