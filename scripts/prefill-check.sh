@@ -26,7 +26,7 @@ build() {
     fi
     objs+=("$o")
   done
-  for f in tests/cuda_prefill_test.cpp src/backend/cpu/deltanet.cpp src/backend/cpu/ops.cpp; do
+  for f in tests/cuda_prefill_test.cpp src/backend/cpu/deltanet.cpp src/backend/cpu/ops.cpp src/core/thread_pool.cpp; do
     local o="$OUT/$(basename "${f%.cpp}").o"
     if [[ ! -f $o || $f -nt $o || src/backend/cuda/prefill.h -nt $o ]]; then
       "$CXX" "${CXXFLAGS[@]}" -c "$f" -o "$o"

@@ -52,15 +52,6 @@ std::vector<float> cpu_matvec(const Matrix& m, const std::vector<float>& x) {
   return y;
 }
 
-void fill_params(cuda::MatvecParams& p, const cuda::DevMatView& v) {
-  p.fmt = v.fmt;
-  p.cols = v.cols;
-  p.chunks = v.chunks;
-  p.groups = v.groups;
-  p.chunks_per_group = v.chunks_per_group;
-  p.sb_f16 = v.sb_f16;
-}
-
 struct FormatCase {
   WeightFormat f;
   int group;
@@ -105,7 +96,7 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
         auto ya = cpu_matvec(a.m, xin), yb = cpu_matvec(b.m, xin), yc = cpu_matvec(c.m, xin);
         auto oa = poisoned(77), ob = poisoned(5), oc = poisoned(130);
         cuda::MatvecParams p;
-        fill_params(p, da.v);
+        cuda::set_layout(p, da.v);
         p.njobs = 3;
         const cuda::DevMat* ms[3] = {&da, &db, &dc};
         DeviceBuffer* os[3] = {&oa, &ob, &oc};
@@ -148,7 +139,7 @@ TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
   auto dsel = to_device(sel);
   auto out = poisoned(2 * I);
   cuda::MatvecParams p;
-  fill_params(p, stack.v);
+  cuda::set_layout(p, stack.v);
   p.njobs = 2;
   for (int j = 0; j < 2; ++j) {
     p.jobs[j].w = stack.v.w;
@@ -176,7 +167,7 @@ TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
   const auto base = random_vec(99, rng);
   auto dout = to_device(base);
   cuda::MatvecParams q;
-  fill_params(q, dm.v);
+  cuda::set_layout(q, dm.v);
   q.njobs = 1;
   q.jobs[0] = {dm.v.w, dm.v.sb, 99, nullptr, 0, 0, dout.as<float>()};
   q.x = dx.as<float>();
@@ -202,7 +193,7 @@ TEST(CudaMatvec, RouterTopKMatchesCpu) {
     DeviceBuffer sel_idx(k * 4), counter(4);
     LILY_CUDA(cudaMemset(counter.get(), 0, 4));
     cuda::MatvecParams p;
-    fill_params(p, dr.v);
+    cuda::set_layout(p, dr.v);
     p.njobs = 2;
     p.jobs[0] = {dr.v.w, dr.v.sb, E, nullptr, 0, 0, logits.as<float>()};
     p.jobs[1] = {dsg.v.w, dsg.v.sb, 1, nullptr, 0, 0, logits.as<float>() + E};
@@ -255,7 +246,7 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
   LILY_CUDA(cudaMemset(counter.get(), 0, 4));
   cuda::MatvecParams p;
-  fill_params(p, dm.v);
+  cuda::set_layout(p, dm.v);
   p.njobs = 1;
   p.jobs[0] = {dm.v.w, dm.v.sb, V, nullptr, 0, 0, out.as<float>()};
   p.x = dx.as<float>();
@@ -290,11 +281,7 @@ TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
     const auto base = random_vec(H, rng);
     auto dsel = to_device(sel), dcoef = to_device(coef), dxs = to_device(xs), dout = to_device(base);
     cuda::MoeDownParams p;
-    p.fmt = stack.v.fmt;
-    p.cols = I;
-    p.chunks = stack.v.chunks;
-    p.groups = stack.v.groups;
-    p.chunks_per_group = stack.v.chunks_per_group;
+    cuda::set_layout(p, stack.v);
     p.rows = H;
     p.njobs = J;
     for (int j = 0; j < J; ++j) {

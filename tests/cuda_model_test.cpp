@@ -279,16 +279,7 @@ TEST_P(CudaModelFixture, GreedyTokensMatchCpu) {
   EXPECT_EQ(cache->n_past(), static_cast<int>(ref.prompt.size()) + n - 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fixtures, CudaModelFixture,
-    ::testing::Combine(::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-                                         "qwen3_5_moe-vl", "qwen3_5_moe-mlx4"),
-                       ::testing::Values("short", "long")),
-    [](const auto& info) {
-      std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-      std::replace(n.begin(), n.end(), '-', '_');
-      return n;
-    });
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelFixture, test::fixture_cases(), test::fixture_case_name);
 
 // A cache that starts small and grows, and a snapshot taken mid-way, give
 // the same logits as one large cache.

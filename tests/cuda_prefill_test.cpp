@@ -521,50 +521,15 @@ DnModel make_dn_model(Rng& r, int nk, int nv, int d) {
   return m;
 }
 
-// The CPU backend's deltanet_block math between the projections and the
-// gated norm (cpu_backend.cpp), with cpu::deltanet_chunked for the core.
+// The CPU backend's DeltaNet layer between the projections and the gated
+// norm (cpu::deltanet_layer, the same function cpu_backend.cpp runs).
 void cpu_deltanet(const DnModel& m, const std::vector<float>& qkv, const std::vector<float>& a,
                   const std::vector<float>& b, int T, std::vector<float>& conv_state /*[C][3]*/,
                   std::vector<float>& state, std::vector<float>& out) {
-  const int C = m.C, K = 4, keep = 3, dk = m.d, dv = m.d, nk = m.nk, nv = m.nv;
-  std::vector<float> conv(size_t(T) * C), window(keep + T);
-  for (int ch = 0; ch < C; ++ch) {
-    float* st = &conv_state[size_t(ch) * keep];
-    for (int j = 0; j < keep; ++j) window[j] = st[j];
-    for (int t = 0; t < T; ++t) window[keep + t] = qkv[size_t(t) * C + ch];
-    const float* w = &m.conv_w[size_t(ch) * K];
-    for (int t = 0; t < T; ++t) {
-      float s = 0;
-      for (int j = 0; j < K; ++j) s += w[j] * window[t + j];
-      conv[size_t(t) * C + ch] = cpu::silu(s);
-    }
-    for (int j = 0; j < keep; ++j) st[j] = window[T + j];
-  }
-  std::vector<float> beta(size_t(T) * nv), g(size_t(T) * nv);
-  const float q_scale = 1.f / std::sqrt(float(dk));
-  for (int t = 0; t < T; ++t) {
-    for (int h = 0; h < 2 * nk; ++h) {
-      float* p = &conv[size_t(t) * C + h * dk];
-      float ss = 0;
-      for (int i = 0; i < dk; ++i) ss += p[i] * p[i];
-      float inv = 1.f / std::sqrt(ss + 1e-6f);
-      if (h < nk) inv *= q_scale;
-      for (int i = 0; i < dk; ++i) p[i] *= inv;
-    }
-    for (int h = 0; h < nv; ++h) {
-      beta[size_t(t) * nv + h] = cpu::sigmoid(b[size_t(t) * nv + h]);
-      g[size_t(t) * nv + h] = -std::exp(m.a_log[h]) * cpu::softplus(a[size_t(t) * nv + h] + m.dt_bias[h]);
-    }
-  }
-  out.assign(size_t(T) * nv * dv, 0.f);
-  const int ratio = nv / nk;
-  for (int h = 0; h < nv; ++h) {
-    const int kh = h / ratio;
-    cpu::DeltaNetHeadIO io{&conv[kh * dk], size_t(C), &conv[nk * dk + kh * dk], size_t(C),
-                           &conv[2 * nk * dk + h * dv], size_t(C), &g[h], &beta[h], size_t(nv),
-                           &out[h * dv], size_t(nv * dv), T, dk, dv};
-    cpu::deltanet_chunked(io, &state[size_t(h) * dk * dv], 64);
-  }
+  static ThreadPool pool(1);
+  out.assign(size_t(T) * m.nv * m.d, 0.f);
+  cpu::deltanet_layer(pool, {T, m.nk, m.nv, m.d, m.d, 4, qkv.data(), a.data(), b.data(), m.conv_w.data(),
+                             m.a_log.data(), m.dt_bias.data(), conv_state.data(), state.data(), out.data()});
 }
 
 // One sequence's device-side DeltaNet layer: weights, conv ring and state.

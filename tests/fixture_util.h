@@ -1,8 +1,12 @@
 // Reads the reference fixtures (tests/fixtures/<case>/reference.safetensors).
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "model/safetensors.h"
@@ -11,6 +15,20 @@ namespace lily::test {
 
 inline std::string fixture_dir(const std::string& name) {
   return std::string(LILY_FIXTURES_DIR) + "/" + name;
+}
+
+// Every model fixture x its two prompts, as parameters of a
+// TestWithParam<std::tuple<std::string, std::string>>, and their test names.
+inline auto fixture_cases() {
+  return ::testing::Combine(::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+                                              "qwen3_5_moe-vl", "qwen3_5_moe-mlx4"),
+                            ::testing::Values("short", "long"));
+}
+inline std::string fixture_case_name(
+    const ::testing::TestParamInfo<std::tuple<std::string, std::string>>& info) {
+  std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
+  std::replace(n.begin(), n.end(), '-', '_');
+  return n;
 }
 
 struct Reference {

@@ -134,16 +134,7 @@ TEST_P(ModelFixture, SplitPrefillMatchesFullPrefill) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Fixtures, ModelFixture,
-    ::testing::Combine(::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-                                         "qwen3_5_moe-vl", "qwen3_5_moe-mlx4"),
-                       ::testing::Values("short", "long")),
-    [](const auto& info) {
-      std::string n = std::get<0>(info.param) + "_" + std::get<1>(info.param);
-      std::replace(n.begin(), n.end(), '-', '_');
-      return n;
-    });
+INSTANTIATE_TEST_SUITE_P(Fixtures, ModelFixture, test::fixture_cases(), test::fixture_case_name);
 
 TEST(Sequence, SnapshotRestoreReproducesLogits) {
   auto ref = load_reference("qwen3_5_moe", "long");

@@ -24,6 +24,7 @@
 #include "core/mapped_file.h"
 #include "text/detokenizer.h"
 #include "text/tokenizer.h"
+#include "text/utf8.h"
 
 namespace lily::text {
 namespace {
@@ -110,24 +111,6 @@ std::string nfc_valid_runs(const std::string& bytes) {
   return out + nfc(run);
 }
 
-void append_cp(uint32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 // Random valid UTF-8 (no NUL, which utf8proc_NFC's C-string API stops at),
 // weighted toward the scripts a chat model sees, with some of everything.
 std::string random_utf8(std::mt19937& rng, size_t chars) {
@@ -147,7 +130,7 @@ std::string random_utf8(std::mt19937& rng, size_t chars) {
     const Range r = ranges[pick(rng)];
     uint32_t cp = std::uniform_int_distribution<uint32_t>(r.lo, r.hi)(rng);
     if (cp >= 0xD800 && cp <= 0xDFFF) cp = 0x20;  // surrogates are not characters
-    append_cp(cp, s);
+    append_utf8(s, cp);
   }
   return s;
 }
@@ -409,7 +392,7 @@ std::string spell(const std::string& bytes) {
       }
       cp = 256 + n;
     }
-    append_cp(static_cast<uint32_t>(cp), out);
+    append_utf8(out, static_cast<uint32_t>(cp));
   }
   return out;
 }

@@ -37,6 +37,20 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+std::vector<int> random_prompt(std::mt19937& rng, int n, int vocab) {
+  std::vector<int> p(static_cast<size_t>(std::max(n, 1)));
+  for (int& t : p) t = static_cast<int>(rng() % static_cast<uint32_t>(vocab));
+  return p;
+}
+
+// Wall time of one forward up to its logits on the host (a backend's forward
+// returns once they are there), in ms.
+double forward_ms(Backend& b, SequenceCache& cache, std::span<const int> tokens, float* logits) {
+  const auto t0 = std::chrono::steady_clock::now();
+  b.forward(cache, tokens, LogitsMode::LastOnly, logits);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
 struct Setup {
   std::string model_desc, backend;
   std::vector<int> ctxs, prefill;
@@ -174,9 +188,12 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     std::printf("\nprefill (%s, chunks of %d tokens), random prompt into an empty cache:\n",
                 j["prefill_path"].get<std::string>().c_str(), opt.prefill_chunk);
     std::printf("%8s %12s %10s %9s %8s %9s\n", "prompt", "prefill t/s", "TTFT ms", "TFLOP/s", "%floor", "peak GiB");
+    std::mt19937 rng(static_cast<uint32_t>(s.seed));
+    std::vector<float> logits(c.vocab_size);
     {
       auto warm = b->new_cache(4096 + 16);
-      b->time_prefill_ms(*warm, std::min(4096, std::max(s.prefill.front(), 2)), s.seed);
+      forward_ms(*b, *warm, random_prompt(rng, std::min(4096, std::max(s.prefill.front(), 2)), c.vocab_size),
+                 logits.data());
     }
     nlohmann::ordered_json prow = nlohmann::ordered_json::array();
     for (int n : s.prefill) {
@@ -185,7 +202,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       size_t peak = 0;
       for (int r = 0; r < reps; ++r) {
         auto cache = b->new_cache(n + 16);
-        ms.push_back(b->time_prefill_ms(*cache, n, s.seed + 31 * r));
+        ms.push_back(forward_ms(*b, *cache, random_prompt(rng, n, c.vocab_size), logits.data()));
         peak = std::max(peak, cuda::device_memory_used());
       }
       const double t = median(ms), flops = prefill_flops(c, n);
@@ -237,13 +254,10 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
     for (int r = 0; r < s.warmup + s.repeats; ++r) {
       auto cache = b->new_cache(ctx + s.tokens + 1);
       std::vector<float> logits(c.vocab_size);
-      std::vector<int> prompt(std::max(ctx, 1));
-      for (int& t : prompt) t = static_cast<int>(rng() % c.vocab_size);
-      const auto tp = std::chrono::steady_clock::now();
-      b->forward(*cache, prompt, LogitsMode::LastOnly, logits.data());
+      const std::vector<int> prompt = random_prompt(rng, ctx, c.vocab_size);
+      const double prefill_ms = forward_ms(*b, *cache, prompt, logits.data());
       const auto t0 = std::chrono::steady_clock::now();
-      if (r >= s.warmup)
-        prefill_tok_s.push_back(prompt.size() / std::chrono::duration<double>(t0 - tp).count());
+      if (r >= s.warmup) prefill_tok_s.push_back(prompt.size() / (prefill_ms * 1e-3));
       for (int i = 0; i < s.tokens; ++i) {
         int next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
         b->forward(*cache, std::span<const int>(&next, 1), LogitsMode::LastOnly, logits.data());

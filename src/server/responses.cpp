@@ -64,6 +64,16 @@ std::string sse_data(const std::string& payload) {
   return "data: " + payload + "\n\n";
 }
 
+// The fields every response object and chunk starts with.
+ojson object_head(const std::string& id, const char* object, int64_t created, const std::string& model) {
+  ojson o;
+  o["id"] = id;
+  o["object"] = object;
+  o["created"] = created;
+  o["model"] = model;
+  return o;
+}
+
 ojson usage_json(const engine::GenerationResult& r) {
   ojson u;
   u["prompt_tokens"] = r.prompt_tokens;
@@ -128,16 +138,37 @@ std::string plan_chat_reply(const ChatRequest& cr, text::ToolDialect dialect,
   return forced;
 }
 
+// ------------------------------------------------------------------- shared
+
+void ResponseBuilderBase::take_final(const JobEvent& e) {
+  if (e.kind == JobEvent::Kind::Done) {
+    result_ = e.result;
+    queue_seconds_ = e.queue_seconds;
+    if (result_.finish == engine::FinishReason::Cancelled) error_ = cancelled_error(e.shutdown);
+  } else {
+    error_ = engine_error(e);
+  }
+  done_ = true;
+}
+
+void ResponseBuilderBase::check_complete() const {
+  if (error_) throw *error_;
+  if (!done_) throw ApiError(500, "server_error", "internal: response not complete");
+}
+
+std::string ResponseBuilderBase::abort_stream(int status, const std::string& message,
+                                              const std::string& code) {
+  done_ = true;
+  error_ = ApiError(status, error_type_for_status(status), message, "", code);
+  return error_event(status, message, code);
+}
+
 ChatResponseBuilder::ChatResponseBuilder(ChatSetup setup, const text::Tokenizer& tokenizer)
     : s_(std::move(setup)), tok_(tokenizer), parser_(s_.parser) {}
 
 ojson ChatResponseBuilder::chunk(ojson delta, const ojson& finish_reason,
                                  const ojson& logprobs) const {
-  ojson c;
-  c["id"] = s_.id;
-  c["object"] = "chat.completion.chunk";
-  c["created"] = s_.created;
-  c["model"] = s_.model;
+  ojson c = object_head(s_.id, "chat.completion.chunk", s_.created, s_.model);
   ojson choice;
   choice["index"] = 0;
   choice["delta"] = std::move(delta);
@@ -236,7 +267,6 @@ void ChatResponseBuilder::finish(std::string& out) {
   d.content += tail.content;
   d.tool_calls.insert(d.tool_calls.end(), tail.tool_calls.begin(), tail.tool_calls.end());
   if (!error_) error_ = validate();
-  done_ = true;
   if (!s_.stream) return;
   if (!d.empty()) {
     ojson delta = ojson::object();
@@ -251,11 +281,7 @@ void ChatResponseBuilder::finish(std::string& out) {
   out += sse_data(
       chunk(ojson::object(), finish_reason(), nullptr).dump(-1, ' ', false, kReplaceInvalidUtf8));
   if (s_.include_usage) {
-    ojson u;
-    u["id"] = s_.id;
-    u["object"] = "chat.completion.chunk";
-    u["created"] = s_.created;
-    u["model"] = s_.model;
+    ojson u = object_head(s_.id, "chat.completion.chunk", s_.created, s_.model);
     u["choices"] = ojson::array();
     u["usage"] = usage_json(result_);
     out += sse_data(u.dump(-1, ' ', false, kReplaceInvalidUtf8));
@@ -296,13 +322,8 @@ std::string ChatResponseBuilder::feed(std::vector<JobEvent>& events) {
         out += sse_data(
             chunk(std::move(delta), nullptr, lp).dump(-1, ' ', false, kReplaceInvalidUtf8));
       }
-    } else if (e.kind == JobEvent::Kind::Done) {
-      result_ = e.result;
-      queue_seconds_ = e.queue_seconds;
-      if (result_.finish == engine::FinishReason::Cancelled) error_ = cancelled_error(e.shutdown);
-      finish(out);
     } else {
-      error_ = engine_error(e);
+      take_final(e);
       finish(out);
     }
   }
@@ -310,16 +331,8 @@ std::string ChatResponseBuilder::feed(std::vector<JobEvent>& events) {
   return out;
 }
 
-std::string ChatResponseBuilder::abort_stream(int status, const std::string& message,
-                                              const std::string& code) {
-  done_ = true;
-  error_ = ApiError(status, error_type_for_status(status), message, "", code);
-  return error_event(status, message, code);
-}
-
 ojson ChatResponseBuilder::body() const {
-  if (error_) throw *error_;
-  if (!done_) throw ApiError(500, "server_error", "internal: response not complete");
+  check_complete();
   const auto& out = parser_.result();
   ojson msg;
   msg["role"] = "assistant";
@@ -342,11 +355,7 @@ ojson ChatResponseBuilder::body() const {
   choice["logprobs"] =
       s_.logprobs ? ojson{{"content", logprobs_}, {"refusal", nullptr}} : ojson(nullptr);
   choice["finish_reason"] = finish_reason();
-  ojson b;
-  b["id"] = s_.id;
-  b["object"] = "chat.completion";
-  b["created"] = s_.created;
-  b["model"] = s_.model;
+  ojson b = object_head(s_.id, "chat.completion", s_.created, s_.model);
   b["choices"] = ojson::array({std::move(choice)});
   b["usage"] = usage_json(result_);
   return b;
@@ -366,11 +375,7 @@ CompletionResponseBuilder::CompletionResponseBuilder(CompletionSetup setup,
 
 ojson CompletionResponseBuilder::chunk(const std::string& text, const ojson& finish_reason,
                                        const ojson& logprobs) const {
-  ojson c;
-  c["id"] = s_.id;
-  c["object"] = "text_completion";
-  c["created"] = s_.created;
-  c["model"] = s_.model;
+  ojson c = object_head(s_.id, "text_completion", s_.created, s_.model);
   ojson choice;
   choice["text"] = text;
   choice["index"] = 0;
@@ -420,14 +425,7 @@ std::string CompletionResponseBuilder::feed(std::vector<JobEvent>& events) {
       if (s_.stream && (!e.gen.text.empty() || !lp.is_null()))
         out += sse_data(chunk(e.gen.text, nullptr, lp).dump(-1, ' ', false, kReplaceInvalidUtf8));
     } else {
-      if (e.kind == JobEvent::Kind::Done) {
-        result_ = e.result;
-        queue_seconds_ = e.queue_seconds;
-        if (result_.finish == engine::FinishReason::Cancelled) error_ = cancelled_error(e.shutdown);
-      } else {
-        error_ = engine_error(e);
-      }
-      done_ = true;
+      take_final(e);
       if (!s_.stream) break;
       if (error_) {
         out += error_event(error_->status, error_->what(), error_->code);
@@ -436,11 +434,7 @@ std::string CompletionResponseBuilder::feed(std::vector<JobEvent>& events) {
       out += sse_data(chunk("", engine::finish_reason_name(result_.finish), nullptr)
                           .dump(-1, ' ', false, kReplaceInvalidUtf8));
       if (s_.include_usage) {
-        ojson u;
-        u["id"] = s_.id;
-        u["object"] = "text_completion";
-        u["created"] = s_.created;
-        u["model"] = s_.model;
+        ojson u = object_head(s_.id, "text_completion", s_.created, s_.model);
         u["choices"] = ojson::array();
         u["usage"] = usage_json(result_);
         out += sse_data(u.dump(-1, ' ', false, kReplaceInvalidUtf8));
@@ -452,26 +446,14 @@ std::string CompletionResponseBuilder::feed(std::vector<JobEvent>& events) {
   return out;
 }
 
-std::string CompletionResponseBuilder::abort_stream(int status, const std::string& message,
-                                                    const std::string& code) {
-  done_ = true;
-  error_ = ApiError(status, error_type_for_status(status), message, "", code);
-  return error_event(status, message, code);
-}
-
 ojson CompletionResponseBuilder::body() const {
-  if (error_) throw *error_;
-  if (!done_) throw ApiError(500, "server_error", "internal: response not complete");
+  check_complete();
   ojson choice;
   choice["text"] = text_;
   choice["index"] = 0;
   choice["logprobs"] = s_.logprobs >= 0 ? logprobs_ : ojson(nullptr);
   choice["finish_reason"] = engine::finish_reason_name(result_.finish);
-  ojson b;
-  b["id"] = s_.id;
-  b["object"] = "text_completion";
-  b["created"] = s_.created;
-  b["model"] = s_.model;
+  ojson b = object_head(s_.id, "text_completion", s_.created, s_.model);
   b["choices"] = ojson::array({std::move(choice)});
   b["usage"] = usage_json(result_);
   return b;

@@ -58,7 +58,31 @@ struct ChatSetup {
 std::string plan_chat_reply(const ChatRequest& request, text::ToolDialect dialect,
                             const std::string& rendered_prompt, ChatSetup& setup);
 
-class ChatResponseBuilder {
+// What the chat and completion builders share: the job's outcome, taken from
+// its final event, and the early end of a stream.
+class ResponseBuilderBase {
+ public:
+  bool done() const { return done_; }
+  // Streaming: an error event + [DONE] for a stream that must end early
+  // (server shutting down).
+  std::string abort_stream(int status, const std::string& message, const std::string& code);
+  const engine::GenerationResult& result() const { return result_; }
+  double queue_seconds() const { return queue_seconds_; }
+
+ protected:
+  // Records a Done or Error event (a cancelled job is an error) and marks the
+  // response done.
+  void take_final(const JobEvent& e);
+  // Throws the job's error, or a 500 while the response is not complete.
+  void check_complete() const;
+
+  bool done_ = false;
+  std::optional<ApiError> error_;
+  engine::GenerationResult result_;
+  double queue_seconds_ = 0;
+};
+
+class ChatResponseBuilder : public ResponseBuilderBase {
  public:
   ChatResponseBuilder(ChatSetup setup, const text::Tokenizer& tokenizer);
 
@@ -66,19 +90,11 @@ class ChatResponseBuilder {
   // first call starts with the role chunk; the call that sees the final
   // event ends with "data: [DONE]"); otherwise returns "".
   std::string feed(std::vector<JobEvent>& events);
-  bool done() const { return done_; }
 
   // Non-streaming: the chat.completion body once done(); throws ApiError
   // when the generation failed or its output broke tool_choice /
   // response_format.
   ojson body() const;
-
-  // Streaming: an error event + [DONE] for a stream that must end early
-  // (server shutting down).
-  std::string abort_stream(int status, const std::string& message, const std::string& code);
-
-  const engine::GenerationResult& result() const { return result_; }
-  double queue_seconds() const { return queue_seconds_; }
 
  private:
   ojson chunk(ojson delta, const ojson& finish_reason, const ojson& logprobs) const;
@@ -91,10 +107,7 @@ class ChatResponseBuilder {
   ChatSetup s_;
   const text::Tokenizer& tok_;
   text::OutputParser parser_;
-  bool started_ = false, done_ = false;
-  std::optional<ApiError> error_;
-  engine::GenerationResult result_;
-  double queue_seconds_ = 0;
+  bool started_ = false;
   ojson logprobs_ = ojson::array();
 };
 
@@ -107,15 +120,11 @@ struct CompletionSetup {
   std::vector<int> stop_token_ids;
 };
 
-class CompletionResponseBuilder {
+class CompletionResponseBuilder : public ResponseBuilderBase {
  public:
   CompletionResponseBuilder(CompletionSetup setup, const text::Tokenizer& tokenizer);
   std::string feed(std::vector<JobEvent>& events);
-  bool done() const { return done_; }
   ojson body() const;
-  std::string abort_stream(int status, const std::string& message, const std::string& code);
-  const engine::GenerationResult& result() const { return result_; }
-  double queue_seconds() const { return queue_seconds_; }
 
  private:
   ojson chunk(const std::string& text, const ojson& finish_reason, const ojson& logprobs) const;
@@ -123,10 +132,7 @@ class CompletionResponseBuilder {
 
   CompletionSetup s_;
   const text::Tokenizer& tok_;
-  bool started_ = false, done_ = false;
-  std::optional<ApiError> error_;
-  engine::GenerationResult result_;
-  double queue_seconds_ = 0;
+  bool started_ = false;
   std::string text_;
   ojson logprobs_;
 };

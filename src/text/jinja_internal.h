@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "text/jinja.h"
+#include "text/utf8.h"
 
 namespace lily::text::jinja {
 
@@ -183,7 +184,7 @@ size_t cp_count(std::string_view s);
 bool is_ascii(std::string_view s);
 // Decodes the code point at s[i] (invalid byte: returns the byte, len 1).
 uint32_t decode_cp(std::string_view s, size_t i, size_t* len);
-void append_utf8(std::string& out, uint32_t cp);
+using text::append_utf8;
 bool py_isspace(uint32_t cp);
 std::string py_strip(std::string_view s, const std::string* chars, bool left, bool right);
 std::string py_upper(std::string_view s);

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/mapped_file.h"
 #include "text/detokenizer.h"
+#include "text/utf8.h"
 
 namespace lily::text {
 namespace {
@@ -66,24 +67,6 @@ int32_t decode_char(const uint8_t* s, size_t n, size_t& len) {
   }
   len = static_cast<size_t>(need) + 1;
   return cp;
-}
-
-void append_utf8(uint32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
 }
 
 // The code point of the character that ends at s[0..end) and where it
@@ -179,7 +162,7 @@ class ByteLevelTable {
       const uint32_t cp = printable ? static_cast<uint32_t>(b) : next++;
       cp_to_byte_[cp] = b;
       spelling_[b].clear();
-      append_utf8(cp, spelling_[b]);
+      append_utf8(spelling_[b], cp);
     }
   }
 

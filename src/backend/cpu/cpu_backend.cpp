@@ -151,65 +151,15 @@ class CpuBackend final : public Backend {
     const int dk = c_.linear_key_head_dim, dv = c_.linear_value_head_dim;
     const int vdim = nv * dv;
     std::vector<float> qkv(static_cast<size_t>(T) * C), z(static_cast<size_t>(T) * vdim),
-        b(static_cast<size_t>(T) * nv), a(b.size()), conv(qkv.size()), o(z.size());
+        b(static_cast<size_t>(T) * nv), a(b.size()), o(z.size());
     matmul(pool_, D.in_qkv, xn, T, H, qkv.data(), C);
     matmul(pool_, D.in_z, xn, T, H, z.data(), vdim);
     matmul(pool_, D.in_b, xn, T, H, b.data(), nv);
     matmul(pool_, D.in_a, xn, T, H, a.data(), nv);
 
-    // Causal depthwise conv over [carried K-1 inputs | this run], then SiLU;
-    // the last K-1 inputs become the carried state.
-    const int keep = K - 1;
-    pool_.parallel_for(C, 64, [&](size_t c0, size_t c1) {
-      std::vector<float> window(keep + T);
-      for (size_t ch = c0; ch < c1; ++ch) {
-        float* st = &cache.conv[ch * keep];
-        for (int j = 0; j < keep; ++j) window[j] = st[j];
-        for (int t = 0; t < T; ++t) window[keep + t] = qkv[t * C + ch];
-        const float* w = &D.conv[ch * K];
-        for (int t = 0; t < T; ++t) {
-          float s = 0;
-          for (int j = 0; j < K; ++j) s += w[j] * window[t + j];
-          conv[t * C + ch] = cpu::silu(s);
-        }
-        for (int j = 0; j < keep; ++j) st[j] = window[T + j];
-      }
-    });
-
-    // L2-normalise q and k per head (q also scaled by 1/sqrt(dk)); gates.
-    const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
-    for (int t = 0; t < T; ++t) {
-      for (int h = 0; h < 2 * nk; ++h) {
-        float* p = &conv[t * C + h * dk];
-        float ss = 0;
-        for (int i = 0; i < dk; ++i) ss += p[i] * p[i];
-        float inv = 1.f / std::sqrt(ss + 1e-6f);
-        if (h < nk) inv *= q_scale;
-        for (int i = 0; i < dk; ++i) p[i] *= inv;
-      }
-      for (int h = 0; h < nv; ++h) {
-        float& bb = b[t * nv + h];
-        float& aa = a[t * nv + h];
-        bb = cpu::sigmoid(bb);                                               // beta
-        aa = -std::exp(D.a_log[h]) * cpu::softplus(aa + D.dt_bias[h]);       // g (log decay)
-      }
-    }
-
-    const int ratio = nv / nk;
-    pool_.parallel_for(nv, 1, [&](size_t h0, size_t h1) {
-      for (size_t h = h0; h < h1; ++h) {
-        const int kh = static_cast<int>(h) / ratio;
-        cpu::DeltaNetHeadIO io{&conv[kh * dk], static_cast<size_t>(C),
-                               &conv[nk * dk + kh * dk], static_cast<size_t>(C),
-                               &conv[2 * nk * dk + h * dv], static_cast<size_t>(C),
-                               &a[h], &b[h], static_cast<size_t>(nv),
-                               &o[h * dv], static_cast<size_t>(vdim),
-                               T, dk, dv};
-        float* state = &cache.state[h * dk * dv];
-        if (T == 1) cpu::deltanet_recurrent(io, state);
-        else cpu::deltanet_chunked(io, state, 64);
-      }
-    });
+    cpu::deltanet_layer(pool_, {T, nk, nv, dk, dv, K, qkv.data(), a.data(), b.data(), D.conv.data(),
+                                D.a_log.data(), D.dt_bias.data(), cache.conv.data(), cache.state.data(),
+                                o.data()});
 
     // Gated RMSNorm per head: norm(o) * w * silu(z).
     for (int t = 0; t < T; ++t)

@@ -126,4 +126,56 @@ void deltanet_chunked(const DeltaNetHeadIO& io, float* S, int chunk_size) {
   }
 }
 
+void deltanet_layer(ThreadPool& pool, const DeltaNetLayerIO& io) {
+  const int T = io.T, nk = io.nk, nv = io.nv, dk = io.dk, dv = io.dv, K = io.K;
+  const int C = 2 * nk * dk + nv * dv, keep = K - 1;
+  std::vector<float> conv(static_cast<size_t>(T) * C), beta(static_cast<size_t>(T) * nv), g(beta.size());
+  pool.parallel_for(C, 64, [&](size_t c0, size_t c1) {
+    std::vector<float> window(keep + T);
+    for (size_t ch = c0; ch < c1; ++ch) {
+      float* st = &io.conv_state[ch * keep];
+      for (int j = 0; j < keep; ++j) window[j] = st[j];
+      for (int t = 0; t < T; ++t) window[keep + t] = io.qkv[static_cast<size_t>(t) * C + ch];
+      const float* w = &io.conv_w[ch * K];
+      for (int t = 0; t < T; ++t) {
+        float s = 0;
+        for (int j = 0; j < K; ++j) s += w[j] * window[t + j];
+        conv[static_cast<size_t>(t) * C + ch] = silu(s);
+      }
+      for (int j = 0; j < keep; ++j) st[j] = window[T + j];
+    }
+  });
+  const float q_scale = 1.f / std::sqrt(static_cast<float>(dk));
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < 2 * nk; ++h) {
+      float* p = &conv[static_cast<size_t>(t) * C + h * dk];
+      float ss = 0;
+      for (int i = 0; i < dk; ++i) ss += p[i] * p[i];
+      float inv = 1.f / std::sqrt(ss + 1e-6f);
+      if (h < nk) inv *= q_scale;
+      for (int i = 0; i < dk; ++i) p[i] *= inv;
+    }
+    for (int h = 0; h < nv; ++h) {
+      const size_t i = static_cast<size_t>(t) * nv + h;
+      beta[i] = sigmoid(io.b[i]);
+      g[i] = -std::exp(io.a_log[h]) * softplus(io.a[i] + io.dt_bias[h]);
+    }
+  }
+  const int ratio = nv / nk;
+  pool.parallel_for(nv, 1, [&](size_t h0, size_t h1) {
+    for (size_t h = h0; h < h1; ++h) {
+      const int kh = static_cast<int>(h) / ratio;
+      DeltaNetHeadIO head{&conv[kh * dk], static_cast<size_t>(C),
+                          &conv[nk * dk + kh * dk], static_cast<size_t>(C),
+                          &conv[2 * nk * dk + h * dv], static_cast<size_t>(C),
+                          &g[h], &beta[h], static_cast<size_t>(nv),
+                          &io.out[h * dv], static_cast<size_t>(nv * dv),
+                          T, dk, dv};
+      float* state = &io.state[h * dk * dv];
+      if (T == 1) deltanet_recurrent(head, state);
+      else deltanet_chunked(head, state, 64);
+    }
+  });
+}
+
 }  // namespace lily::cpu

@@ -43,4 +43,24 @@ void deltanet_recurrent(const DeltaNetHeadIO& io, float* state);
 // Chunked (WY) form, chunk_size tokens per block; equal to the recurrent form.
 void deltanet_chunked(const DeltaNetHeadIO& io, float* state, int chunk_size = 64);
 
+// A Gated DeltaNet layer between its projections and its gated norm, for T
+// tokens: causal depthwise conv1d (kernel K) over [carried K-1 inputs | qkv],
+// SiLU, the carried inputs updated; L2 norm of every q and k head (q also
+// scaled by 1/sqrt(dk)); beta = sigmoid(b), g = -exp(a_log) softplus(a +
+// dt_bias); then the delta rule per value head (value head h reads key head
+// h / (nv / nk)): recurrent for one token, chunked by 64 otherwise.
+struct DeltaNetLayerIO {
+  int T, nk, nv, dk, dv, K;
+  const float* qkv;      // [T][C], C = 2 nk dk + nv dv: [all q | all k | all v]
+  const float* a;        // [T][nv]
+  const float* b;        // [T][nv]
+  const float* conv_w;   // [C][K]
+  const float* a_log;    // [nv]
+  const float* dt_bias;  // [nv]
+  float* conv_state;     // [C][K-1] (updated)
+  float* state;          // [nv][dk][dv] (updated)
+  float* out;            // [T][nv dv]
+};
+void deltanet_layer(ThreadPool& pool, const DeltaNetLayerIO& io);
+
 }  // namespace lily::cpu

@@ -12,7 +12,6 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -181,7 +180,8 @@ struct CudaBackend::Impl {
   PrefillWeight pw_lm;
   bool prefill_ok = false, lm_gemm_ok = false;
   std::string prefill_why;  // why runs of tokens take the decode path (empty: they don't)
-  // Prefill workspace for chunks of up to p_rows tokens (grown on demand).
+  // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
+  // pTok holds a whole forward's token ids.
   DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSgl, pSo, pMoeWs, pDnWs, pTok, pLogits;
   int p_rows = 0;
   size_t p_ld_act = 0, p_ld_proj = 0, p_ld_qg = 0;
@@ -366,36 +366,31 @@ struct CudaBackend::Impl {
     int experts = 0;  // > 0: m is a stack of this many experts
   };
 
-  static bool same_layout(const DevMatView& a, const DevMatView& b) {
-    return a.fmt == b.fmt && a.cols == b.cols && a.chunks == b.chunks && a.groups == b.groups &&
-           a.chunks_per_group == b.chunks_per_group && a.sb_f16 == b.sb_f16;
+  // Splits items (in order) into groups of at most kMaxJobs that share one
+  // weight layout: one launch per group.
+  template <typename T, typename ViewOf>
+  static std::vector<std::vector<T>> group_by_layout(const std::vector<T>& items, ViewOf view_of) {
+    std::vector<std::vector<T>> groups;
+    for (const T& item : items) {
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const std::vector<T>& grp) {
+        return grp.size() < size_t(kMaxJobs) && same_layout(view_of(grp[0]), view_of(item));
+      });
+      if (g == groups.end()) groups.push_back({item});
+      else g->push_back(item);
+    }
+    return groups;
   }
 
   // Adds matvec launches for jobs sharing one input, one launch per weight
   // layout; the finish (if any) goes with the last launch.
   void add_matvec(std::vector<Step>& steps, const std::string& name, const std::vector<JobSpec>& jobs,
                   MatvecParams proto) {
-    std::vector<std::vector<JobSpec>> groups;
-    for (const JobSpec& j : jobs) {
-      bool placed = false;
-      for (auto& g : groups)
-        if (same_layout(g[0].m->v, j.m->v) && g.size() < size_t(kMaxJobs)) {
-          g.push_back(j);
-          placed = true;
-          break;
-        }
-      if (!placed) groups.push_back({j});
-    }
+    const auto groups = group_by_layout(jobs, [](const JobSpec& j) -> const DevMatView& { return j.m->v; });
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const auto& g = groups[gi];
       MatvecParams p = proto;
       const DevMatView& v0 = g[0].m->v;
-      p.fmt = v0.fmt;
-      p.cols = v0.cols;
-      p.chunks = v0.chunks;
-      p.groups = v0.groups;
-      p.chunks_per_group = v0.chunks_per_group;
-      p.sb_f16 = v0.sb_f16;
+      set_layout(p, v0);
       p.njobs = static_cast<int>(g.size());
       double bytes = 0;
       for (size_t i = 0; i < g.size(); ++i) {
@@ -581,26 +576,11 @@ struct CudaBackend::Impl {
         J.coef = sw + k;
         dj.push_back({&L.shared_down, J});
       }
-      std::vector<std::vector<std::pair<const DevMat*, MoeDownJob>>> dgroups;
-      for (auto& j : dj) {
-        bool placed = false;
-        for (auto& g : dgroups)
-          if (same_layout(g[0].first->v, j.first->v) && g.size() < size_t(kMaxJobs)) {
-            g.push_back(j);
-            placed = true;
-            break;
-          }
-        if (!placed) dgroups.push_back({j});
-      }
-      for (auto& g : dgroups) {
+      const auto dgroups = group_by_layout(
+          dj, [](const std::pair<const DevMat*, MoeDownJob>& j) -> const DevMatView& { return j.first->v; });
+      for (const auto& g : dgroups) {
         MoeDownParams p;
-        const DevMatView& v0 = g[0].first->v;
-        p.fmt = v0.fmt;
-        p.cols = v0.cols;
-        p.chunks = v0.chunks;
-        p.groups = v0.groups;
-        p.chunks_per_group = v0.chunks_per_group;
-        p.sb_f16 = v0.sb_f16;
+        set_layout(p, g[0].first->v);
         p.rows = H;
         p.njobs = static_cast<int>(g.size());
         p.out = X;
@@ -812,7 +792,6 @@ struct CudaBackend::Impl {
     pAct.alloc(r * p_ld_act * 2);
     pProj.alloc(r * p_ld_proj * 4);
     pQg.alloc(r * p_ld_qg * 2);
-    pTok.alloc(r * 4);
     if (c.is_hybrid()) {
       pDn.alloc(r * c.deltanet_value_dim() * 4);
       pDnWs.alloc(prefill_deltanet_workspace_bytes(rows, c.linear_num_key_heads, c.linear_num_value_heads,
@@ -829,9 +808,9 @@ struct CudaBackend::Impl {
     p_rows = rows;
   }
 
-  // Tokens pTok[0, T) at positions [P, P + T) through every layer; the
+  // Tokens (device ids) at positions [P, P + T) through every layer; the
   // residual stream ends in pX. Enqueue only.
-  void prefill_layers(CudaCache& cache, int T, int P) {
+  void prefill_layers(CudaCache& cache, const int* tokens, int T, int P) {
     cudaStream_t s = stream;
     const int H = c.hidden_size;
     const float eps = c.rms_norm_eps;
@@ -840,7 +819,7 @@ struct CudaBackend::Impl {
     uint16_t* A = pAct.as<uint16_t>();
     float* Pj = pProj.as<float>();
     const size_t lda = p_ld_act, ldp = p_ld_proj;
-    launch_embed_rows(embed.v, pTok.as<int>(), T, X, H, s);
+    launch_embed_rows(embed.v, tokens, T, X, H, s);
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerDev& D = layers[l];
       const PrefillLayer& W = pl[l];
@@ -1004,18 +983,18 @@ struct CudaBackend::Impl {
     const int chunk = std::max(1, opt.prefill_chunk);
     const int P0 = cache.n_past();
     ensure_prefill_rows(std::min(T, chunk));
+    // All token ids go up once (4 bytes a token); chunks index into them.
     const size_t ctrl_off = (size_t(T) * sizeof(int) + 63) / 64 * 64;
     pinned.ensure(ctrl_off + sizeof(DecodeCtrl));
     int* host_tokens = pinned.as<int>();
     std::memcpy(host_tokens, tokens.data(), size_t(T) * sizeof(int));
+    if (pTok.bytes() < size_t(T) * sizeof(int)) pTok.alloc(size_t(T) * sizeof(int));
+    LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens, size_t(T) * sizeof(int), cudaMemcpyHostToDevice, stream));
     for (int t0 = 0; t0 < T; t0 += chunk) {
       const int n = std::min(chunk, T - t0);
-      LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens + t0, size_t(n) * sizeof(int), cudaMemcpyHostToDevice,
-                                stream));
-      prefill_layers(cache, n, P0 + t0);
+      prefill_layers(cache, pTok.as<int>() + t0, n, P0 + t0);
       if (mode == LogitsMode::All) all_logits(n, out_logits + size_t(t0) * V);
       else if (t0 + n == T) row_logits(n - 1, out_logits);
-      if (t0 + n < T) LILY_CUDA(cudaStreamSynchronize(stream));  // pTok is rewritten by the next chunk
     }
     DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(reinterpret_cast<char*>(pinned.as<char>()) + ctrl_off);
     *h = DecodeCtrl{};
@@ -1137,23 +1116,6 @@ void CudaBackend::synchronize() { LILY_CUDA(cudaStreamSynchronize(impl_->stream)
 
 bool CudaBackend::prefill_enabled() const { return impl_->prefill_ok; }
 std::string CudaBackend::prefill_disabled_reason() const { return impl_->prefill_why; }
-
-double CudaBackend::time_prefill_ms(SequenceCache& cache, int n, uint64_t seed) {
-  std::vector<int> tokens(static_cast<size_t>(std::max(n, 0)));
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (int& t : tokens) {
-    z ^= z >> 33;
-    z *= 0xff51afd7ed558ccdull;
-    z ^= z >> 29;
-    t = static_cast<int>(z % static_cast<uint64_t>(impl_->c.vocab_size));
-  }
-  std::vector<float> logits(impl_->c.vocab_size);
-  synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
-  forward(cache, tokens, LogitsMode::LastOnly, logits.data());
-  const auto t1 = std::chrono::steady_clock::now();
-  return std::chrono::duration<double, std::milli>(t1 - t0).count();
-}
 
 double CudaBackend::time_decode_ms(SequenceCache& cache, int n, int first_token) {
   Impl& m = *impl_;

@@ -65,8 +65,6 @@ class CudaBackend : public Backend {
   // Whether runs of several tokens use the prefill kernels, and if not why.
   bool prefill_enabled() const;
   std::string prefill_disabled_reason() const;
-  // Device time of a prefill of `n` tokens (random ids) appended to `cache`.
-  double time_prefill_ms(SequenceCache& cache, int n, uint64_t seed);
   // Elapsed device time of `n` decode_steps, measured with events.
   double time_decode_ms(SequenceCache& cache, int n, int first_token);
   // One decode step launch by launch (no graph), timed per kernel with events.

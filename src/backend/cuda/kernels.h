@@ -38,6 +38,22 @@ struct DevMatView {
   size_t bytes() const { return size_t(rows) * chunks * 16 + size_t(rows) * groups * 4; }
 };
 
+// Copies a matrix's layout (format, width, chunking, scale dtype) into the
+// launch parameters of a kernel that reads matrices of that layout.
+template <typename Params>
+void set_layout(Params& p, const DevMatView& v) {
+  p.fmt = v.fmt;
+  p.cols = v.cols;
+  p.chunks = v.chunks;
+  p.groups = v.groups;
+  p.chunks_per_group = v.chunks_per_group;
+  p.sb_f16 = v.sb_f16;
+}
+inline bool same_layout(const DevMatView& a, const DevMatView& b) {
+  return a.fmt == b.fmt && a.cols == b.cols && a.chunks == b.chunks && a.groups == b.groups &&
+         a.chunks_per_group == b.chunks_per_group && a.sb_f16 == b.sb_f16;
+}
+
 // Per-sequence control block in device memory. The decode graph reads the
 // position and the input token from here, so one captured graph serves every
 // step.
