@@ -13,19 +13,21 @@
 //
 // Prefill (runs of >= 2 tokens, bf16 KV cache) goes through the tensor-core
 // kernels: every projection reads bf16 activations (relative rounding 2^-9
-// per input; the residual stream stays f32). Measured on these tiny random
-// models, that moves logits by up to ~1e-2 of their range at a time; the
-// DeltaNet recurrence carries such differences forward, and where two experts
-// are nearly tied the routing can flip, which moves later logits by much
-// more (up to ~0.9 x max|logit| at a few positions of the 150-token prompts).
-// A bug (a wrong index, a dropped term) moves every position by O(1) and
-// scrambles the argmax. So the prefill checks are, against the CPU backend
-// and the reference: over all positions the mean row error within 5e-2 x
-// max|logit| (measured: 4e-3 to 2.9e-2) and the argmax equal to the CPU's at
-// >= 90% of the positions where the CPU's top-2 gap exceeds 5e-2 x max|logit|
-// (measured: 97-100%); every single position within 0.5 (measured worst: 0.39,
-// a routing flip); and on the dense attention-only fixture (qwen3: no
-// routing, no recurrence) every position within 3e-2 (measured: 7e-3).
+// per input; the residual stream stays f32), the DeltaNet products run in
+// TF32 (2^-11). Measured on these tiny random models, that moves logits by up
+// to ~1e-2 of their range at a time; the DeltaNet recurrence carries such
+// differences forward, and where two experts are nearly tied the routing can
+// flip, which moves later logits by much more (up to ~0.9 x max|logit| at a
+// few positions of the 150-token prompts; which positions flip changes with
+// any rounding change). A bug (a wrong index, a dropped term) moves every
+// position by O(1) and scrambles the argmax. So the prefill checks are,
+// against the CPU backend and the reference: over all positions the mean row
+// error within 5e-2 x max|logit| (measured: 4e-3 to 2.7e-2) and the argmax
+// equal to the CPU's at >= 90% of the positions where the CPU's top-2 gap
+// exceeds 5e-2 x max|logit| (measured: 97-100%); at most 10% of the positions
+// over 0.25 and none over 1.0 (a flip stays below max|logit|; garbage, NaN or
+// a shifted position does not); and on the dense attention-only fixture
+// (qwen3: no routing, no recurrence) every position within 3e-2 (measured: 7e-3).
 #include <gtest/gtest.h>
 
 #ifdef LILY_HAVE_CUDA
@@ -132,7 +134,7 @@ TEST_P(CudaModelFixture, PromptLogitsMatchReference) {
 // 3e-2.
 struct RowsCheck {
   double worst = 0, mean = 0, agree = 1;
-  int worst_at = 0, over = 0, compared = 0;
+  int worst_at = 0, over = 0, far = 0, compared = 0;
 };
 RowsCheck check_rows(const float* got, const float* want, int n, int V, int strict, const std::string& what) {
   RowsCheck r;
@@ -147,7 +149,8 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
     }
     r.mean += e / n;
     r.over += e > 1e-2;
-    EXPECT_LE(e, t < strict ? 3e-2 : 0.5) << what << " position " << t;
+    r.far += e > 0.25;
+    EXPECT_LE(e, t < strict ? 3e-2 : 1.0) << what << " position " << t;
     // Argmax agreement where the CPU's choice is clear.
     int a = 0, b = -1;
     float m = 0;
@@ -167,6 +170,7 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
   }
   if (r.compared) r.agree = double(same) / r.compared;
   EXPECT_LE(r.mean, 5e-2) << what << ": mean row error";
+  EXPECT_LE(r.far, n / 10) << what << ": positions over 0.25";
   EXPECT_GE(r.agree, 0.9) << what << ": argmax agreement over " << r.compared << " clear positions";
   return r;
 }
@@ -207,8 +211,8 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
     const auto last = s2.append(ref.prompt, LogitsMode::LastOnly);
     EXPECT_LE(row_err(last.data(), &all[size_t(n - 1) * V], V), 1e-2) << what << " LastOnly vs All";
     std::printf("[ cuda     ] %s prefill: rel err vs cpu max %.2e (position %d of %d), mean %.2e, "
-                "%d over 1e-2; argmax agrees at %.0f%% of %d clear positions\n",
-                what.c_str(), r.worst, r.worst_at, n, r.mean, r.over, 100 * r.agree, r.compared);
+                "%d over 1e-2, %d over 0.25; argmax agrees at %.0f%% of %d clear positions\n",
+                what.c_str(), r.worst, r.worst_at, n, r.mean, r.over, r.far, 100 * r.agree, r.compared);
   }
 }
 

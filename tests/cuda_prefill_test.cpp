@@ -506,6 +506,17 @@ TEST(CudaPrefillMoe, MatchesCpuModelShape) {
 
 // ---- Gated DeltaNet -------------------------------------------------------------
 
+// The chunked delta rule's products run on tensor cores in TF32: every input
+// of a product is rounded to 10 mantissa bits (relative error <= 2^-11 =
+// 4.9e-4), sums accumulate in f32. The outputs are dot products of such
+// rounded terms over 64-128 entries through two or three chained products
+// (T (beta v), W S, P v_new), so their error is a few times 2^-11 of the
+// largest term; the state carries the same relative error from chunk to
+// chunk, damped by the decay (e^(c_L) < 1) rather than compounded. Bound:
+// 4e-3 of max|ref|, 8x the rounding of one input; an indexing or
+// synchronisation error moves outputs by O(1).
+constexpr double kTolDn = 4e-3;
+
 struct DnModel {
   int nk, nv, d, C;  // dk = dv = d; C = 2*nk*d + nv*d
   std::vector<float> conv_w, a_log, dt_bias;
@@ -624,7 +635,8 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
   std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state(size_t(m.nv) * m.d * m.d, 0.f);
   DnDevice dev = make_dn_device(m, cpu_state);
   int P = 0;
-  for (int T : {100, 70, 3}) {  // 100: chunk 64 + 36; 70 crosses 128 from 100; 3: shorter than the conv
+  for (int T : {100, 70, 3, 1000}) {  // 100: chunk 64 + 36; 70 crosses 128 from 100; 3: shorter than the conv;
+                                     // 1000: 16 chunks carried in one call
     SCOPED_TRACE(::testing::Message() << "call with T " << T << " after P " << P);
     const DnInputs in = make_dn_inputs(r, m, T);
     std::vector<float> ref;
@@ -635,8 +647,8 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
     const double ring_max = ring_max_diff(m, dev, cpu_conv, P + T);
     std::printf("  deltanet T=%d P=%d: out rel err %.3g, state rel err %.3g, ring max diff %.3g\n", T, P,
                 e_out, e_state, ring_max);
-    EXPECT_LT(e_out, 1e-4);
-    EXPECT_LT(e_state, 1e-4);
+    EXPECT_LT(e_out, kTolDn);
+    EXPECT_LT(e_state, kTolDn);
     EXPECT_EQ(ring_max, 0.0);
     P += T;
   }
@@ -661,8 +673,8 @@ void run_deltanet_small_dims(int d, uint64_t seed) {
     const double ring_max = ring_max_diff(m, dev, cpu_conv, T);
     std::printf("  deltanet d=%d T=%d: out rel err %.3g, state rel err %.3g, ring max diff %.3g\n", d, T,
                 e_out, e_state, ring_max);
-    EXPECT_LT(e_out, 1e-4);
-    EXPECT_LT(e_state, 1e-4);
+    EXPECT_LT(e_out, kTolDn);
+    EXPECT_LT(e_state, kTolDn);
     EXPECT_EQ(ring_max, 0.0);
   }
 }
@@ -711,12 +723,12 @@ void run_deltanet_two_calls(int d, int T1, int T2, uint64_t seed) {
   std::printf("  deltanet d=%d %d+%d: split vs one call out %.3g state %.3g; vs cpu out %.3g state %.3g "
               "(one call: %.3g, %.3g); ring max diff %.3g\n",
               d, T1, T2, e_split, e_split_state, e_out, e_state, e_one, e_one_state, ring_max);
-  EXPECT_LT(e_split, 1e-4);
-  EXPECT_LT(e_split_state, 1e-4);
-  EXPECT_LT(e_out, 1e-4);
-  EXPECT_LT(e_state, 1e-4);
-  EXPECT_LT(e_one, 1e-4);
-  EXPECT_LT(e_one_state, 1e-4);
+  EXPECT_LT(e_split, kTolDn);
+  EXPECT_LT(e_split_state, kTolDn);
+  EXPECT_LT(e_out, kTolDn);
+  EXPECT_LT(e_state, kTolDn);
+  EXPECT_LT(e_one, kTolDn);
+  EXPECT_LT(e_one_state, kTolDn);
   EXPECT_EQ(ring_max, 0.0);
   EXPECT_TRUE(ring_one == ring_two) << "the ring after two calls differs from the one-call ring";
 }
@@ -1016,7 +1028,7 @@ TEST(CudaPrefillBench, Moe) {
   const int E = 256, k = 8, H = 2048, I = 512;
   BenchWeight g = bench_weight(PrefillWeightFormat::Q4, I, H, 21, E), u = bench_weight(PrefillWeightFormat::Q4, I, H, 22, E),
               d = bench_weight(PrefillWeightFormat::Q4, H, I, 23, E);
-  std::printf("\n| MoE T | tile rows | ms | useful TFLOP/s | of 790 | tok/s |\n|---|---|---|---|---|---|\n");
+  std::printf("\n| MoE T | tile rows | ms | useful TFLOP/s | of 790 | tok/s | route ms | gate/up ms | down ms | combine ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
   for (int T : {512, 2048, 4096})
   for (int bm : {64, 128}) {
     Dev x(size_t(T) * H * 2), logits(size_t(T) * E * 4), out(size_t(T) * H * 4);
@@ -1037,8 +1049,11 @@ TEST(CudaPrefillBench, Moe) {
     a.workspace = ws.p;
     const double ms = time_ms([&] { prefill_moe(a, nullptr); });
     const double fl = 2.0 * T * k * (3.0 * H * I);
-    std::printf("| %d | %d | %.3f | %.0f | %.0f%% | %.0f |\n", T, bm, ms, fl / (ms * 1e-3) / 1e12,
-                100 * fl / (ms * 1e-3) / 1e12 / 790, T / (ms * 1e-3));
+    float ph[4];
+    prefill_moe_timed(a, nullptr, ph);
+    std::printf("| %d | %d | %.3f | %.0f | %.0f%% | %.0f | %.3f | %.3f | %.3f | %.3f |\n", T, bm, ms,
+                fl / (ms * 1e-3) / 1e12, 100 * fl / (ms * 1e-3) / 1e12 / 790, T / (ms * 1e-3), ph[0], ph[1],
+                ph[2], ph[3]);
   }
 }
 

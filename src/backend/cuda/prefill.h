@@ -95,6 +95,9 @@ size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter);
 // permutation, one grouped launch for gate/up (+SiLU*up), one for down, then a
 // per-token weighted gather-sum (deterministic). No host readback.
 void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream);
+// Benchmarks only: the same, synchronising, with the time of each stage in ms
+// (0 routing + scan + scatter, 1 gate/up, 2 down, 3 combine).
+void prefill_moe_timed(const PrefillMoeArgs& a, cudaStream_t stream, float (&ms)[4]);
 
 // ---- Gated DeltaNet ------------------------------------------------------------
 struct PrefillDeltaNetArgs {

@@ -1,6 +1,6 @@
 // Gated DeltaNet prefill: causal conv1d + SiLU with the carried ring, L2 norm
-// of q/k, gates, then the chunked (64-token) delta rule in f32, matching the
-// CPU deltanet_chunked (which equals the recurrent form).
+// of q/k, gates, then the chunked (64-token) delta rule, matching the CPU
+// deltanet_chunked (which equals the recurrent form).
 //
 // Per chunk of L tokens, cumulative log-decay c_i (see cpu/deltanet.cpp):
 //   A_ij = -(beta_i k_i.k_j) e^(c_i-c_j) (j<i), T = (I - A)^-1 (forward substitution)
@@ -13,7 +13,11 @@
 //  2. dn_state_kernel, one block per (value head, 32-column slice of S): the
 //     columns of S evolve independently (v_new, o and the update all act
 //     column-wise), so D / 32 blocks per head carry the state through the
-//     chunks sequentially, each with its D x 32 slice of S in shared memory (f32).
+//     chunks sequentially, each with its D x 32 slice of S in registers (f32).
+// The matrix products (k k^T, q k^T, T (beta v), T (beta k e^c), W S, q S,
+// P v_new, k^T v_new) run on tensor cores in TF32 with f32 accumulation
+// (inputs rounded to 10 mantissa bits); the substitution, the decays and the
+// state itself stay f32. docs/cuda-prefill.md gives the error this costs.
 //
 // Head dims: dk = dv = D with D in {32, 64, 128}; every kernel that depends on
 // D is a template on it (128 is the production model's, the smaller ones serve
@@ -32,25 +36,30 @@ using namespace prefill_detail;
 constexpr int kChunk = 64;
 constexpr int kConvK = 4;
 constexpr int kPadA = 68;   // row stride (floats) of 64-wide tiles
-constexpr int kSlice = 32;  // state columns per block in the sequential pass (one per lane)
+constexpr int kSlice = 32;  // state columns per block in the sequential pass
+constexpr int kSlicePad = kSlice + 8;
 constexpr int kDnThreads = 256;
 
-// Compile-time sizes of one head-dim instantiation (dk = dv = D).
+// Compile-time sizes of one head-dim instantiation (dk = dv = D). Row strides
+// (floats) are chosen by how a tile is read with the tensor-core fragments
+// (g = lane / 4, t = lane % 4): tiles read as M[g][t] (A row-major, B as
+// [n][k]) use a stride = 4 (mod 32) (kPad, kPadA), tiles read as M[t][g]
+// (B as [k][n], A transposed) a stride = 8 (mod 32) (kPadT, kSlicePad), so
+// the 32 lanes hit 32 banks.
 template <int D>
 struct DnShape {
   static_assert(D == 32 || D == 64 || D == 128, "DeltaNet head dim 32, 64 or 128");
   static_assert(kSlice <= D && D % kSlice == 0, "state slices must tile the columns");
-  // Row stride (floats) of D-wide tiles: D/4 + 1 16-byte units, odd, so the
-  // float4s of 8 consecutive rows hit distinct bank groups.
   static constexpr int kPad = D + 4;
-  // The chunk kernel's Q tile is reused for X (64 x 64, stride kPadA).
-  static constexpr int kQRegion = kChunk * (kPad > kPadA ? kPad : kPadA);
-  static constexpr int kLog2D = D == 128 ? 7 : D == 64 ? 6 : 5;
-  static constexpr int kRowGroups = kDnThreads / D;  // U/W pass: threads per column
-  static constexpr size_t kChunkSmemFloats =
-      2 * kChunk * kPad + kQRegion + kChunk * kPadA + 3 * kChunk;
-  static constexpr size_t kStateSmemFloats =
-      3 * kChunk * kPad + kChunk * kPadA + 2 * kChunk * kSlice + D * kSlice + 3 * kChunk;
+  static constexpr int kPadT = D + 8;
+  // The chunk kernel's Q tile (stride = 12 mod 32: A-fragment reads without
+  // conflicts) is reused for X and A (two 64 x 64 tiles, stride kPadA).
+  static constexpr int kPadQ = D + 12;
+  static constexpr int kQRegion =
+      kChunk * kPadQ > 2 * kChunk * kPadA ? kChunk * kPadQ : 2 * kChunk * kPadA;
+  static constexpr size_t kChunkSmemFloats = kChunk * kPad + kQRegion + kChunk * kPadT + 3 * kChunk;
+  static constexpr size_t kStateSmemFloats = 2 * kChunk * kPad + kChunk * kPadT + kChunk * kPadA +
+                                             2 * kChunk * kSlicePad + D * kSlicePad + 3 * kChunk;
 };
 
 // ---- 1. conv + SiLU + norms + gates ----------------------------------------------
@@ -70,46 +79,55 @@ struct PrepParams {
   float* g;    // [T][nv]
 };
 
+// Warp per (token, head of D channels): the causal conv1d over this call's
+// rows or the ring, SiLU, and for q / k heads the L2 norm (q also
+// / sqrt(D)); lane l takes channels l, l + 32, ... Every load of a warp is
+// issued before its first use, and no block waits for another. Threads also
+// compute the gates, one (token, value head) each.
 template <int D>
 __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p) {
-  constexpr int kD = D;
-  extern __shared__ float s_act[];  // C floats
-  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  for (int ch = tid; ch < p.C; ch += blockDim.x) {
-    float s = 0.f;
+  constexpr int kD = D, kPer = D / 32;
+  const int H2 = 2 * p.nk + p.nv;
+  const int lane = threadIdx.x & 31;
+  const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long w = gid >> 5;
+  if (w < static_cast<long long>(p.T) * H2) {
+    const int t = static_cast<int>(w / H2), hh = static_cast<int>(w % H2);
+    float x[kPer][kConvK], v[kPer];
 #pragma unroll
-    for (int j = 0; j < kConvK; ++j) {
-      const int idx = t - (kConvK - 1) + j;
-      float xv;
-      if (idx >= 0) {
-        xv = p.qkv[size_t(idx) * p.ld_qkv + ch];
-      } else {
+    for (int i = 0; i < kPer; ++i) {
+      const int ch = hh * kD + lane + 32 * i;
+#pragma unroll
+      for (int j = 0; j < kConvK; ++j) {
+        const int idx = t - (kConvK - 1) + j;
         const int pos = p.P + idx;
-        xv = pos >= 0 ? p.ring[size_t(ch) * kConvK + pos % kConvK] : 0.f;
+        x[i][j] = idx >= 0 ? p.qkv[size_t(idx) * p.ld_qkv + ch]
+                           : (pos >= 0 ? p.ring[size_t(ch) * kConvK + pos % kConvK] : 0.f);
       }
-      s = fmaf(p.conv_w[size_t(ch) * kConvK + j], xv, s);
     }
-    s_act[ch] = s / (1.f + expf(-s));
-  }
-  __syncthreads();
-  const float q_scale = 1.f / sqrtf(float(kD));
-  float* out = p.act + size_t(t) * p.C;
-  for (int hh = warp; hh < 2 * p.nk; hh += blockDim.x >> 5) {
-    const float* src = s_act + hh * kD;
-    float v[kD / 32], ss = 0.f;
+    float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < kD / 32; ++i) {
-      v[i] = src[lane + 32 * i];
+    for (int i = 0; i < kPer; ++i) {
+      const float* cw = p.conv_w + size_t(hh * kD + lane + 32 * i) * kConvK;
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < kConvK; ++j) s = fmaf(__ldg(cw + j), x[i][j], s);
+      v[i] = s / (1.f + expf(-s));
       ss = fmaf(v[i], v[i], ss);
     }
-    ss = p_warp_sum(ss);
-    float inv = 1.f / sqrtf(ss + 1e-6f);
-    if (hh < p.nk) inv *= q_scale;
+    if (hh < 2 * p.nk) {
+      ss = p_warp_sum(ss);
+      float inv = 1.f / sqrtf(ss + 1e-6f);
+      if (hh < p.nk) inv *= 1.f / sqrtf(float(kD));
 #pragma unroll
-    for (int i = 0; i < kD / 32; ++i) out[hh * kD + lane + 32 * i] = v[i] * inv;
+      for (int i = 0; i < kPer; ++i) v[i] *= inv;
+    }
+    float* out = p.act + size_t(t) * p.C + hh * kD;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = v[i];
   }
-  for (int ch = 2 * p.nk * kD + tid; ch < p.C; ch += blockDim.x) out[ch] = s_act[ch];
-  for (int h = tid; h < p.nv; h += blockDim.x) {
+  if (gid < static_cast<long long>(p.T) * p.nv) {
+    const int t = static_cast<int>(gid / p.nv), h = static_cast<int>(gid % p.nv);
     const float bb = p.b[size_t(t) * p.ld_ab + h];
     const float aa = p.a[size_t(t) * p.ld_ab + h] + p.dt_bias[h];
     const float sp = aa > 20.f ? aa : log1pf(expf(aa));
@@ -126,6 +144,57 @@ __global__ void dn_ring_kernel(const float* qkv, size_t ld, int T, int P, int C,
     ring[size_t(ch) * kConvK + (P + t) % kConvK] = qkv[size_t(t) * ld + ch];
 }
 
+// ---- tensor cores: TF32 mma.sync m16n8k8 (row.col, f32 accumulate) ---------------
+// Fragment coordinates, g = lane / 4, t = lane % 4:
+//   A (16 x 8): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
+//   B (8 x 8):  b0 (k = t, n = g), b1 (k = t + 4, n = g)
+//   C (16 x 8): c0, c1 (g, 2t + {0, 1}), c2, c3 (g + 8, 2t + {0, 1})
+// Inputs are rounded to TF32 (10-bit mantissa, relative error <= 2^-11);
+// products are accumulated in f32.
+__device__ __forceinline__ uint32_t tf32(float f) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A(m, k) = M[m0 + m][k0 + k]
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const float* M, int ld, int m0, int k0, int g, int t) {
+  const float* q = M + (m0 + g) * ld + k0 + t;
+  a[0] = tf32(q[0]);
+  a[1] = tf32(q[8 * ld]);
+  a[2] = tf32(q[4]);
+  a[3] = tf32(q[8 * ld + 4]);
+}
+// A(m, k) = M[k0 + k][m0 + m] * f[k0 + k]
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const float* M, int ld, const float* f, int m0,
+                                         int k0, int g, int t) {
+  const float* q = M + (k0 + t) * ld + m0 + g;
+  const float f0 = f[k0 + t], f1 = f[k0 + t + 4];
+  a[0] = tf32(q[0] * f0);
+  a[1] = tf32(q[8] * f0);
+  a[2] = tf32(q[4 * ld] * f1);
+  a[3] = tf32(q[4 * ld + 8] * f1);
+}
+// B(k, n) = M[k0 + k][n0 + n]
+__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, const float* M, int ld, int k0, int n0,
+                                          int g, int t) {
+  b0 = tf32(M[(k0 + t) * ld + n0 + g]);
+  b1 = tf32(M[(k0 + t + 4) * ld + n0 + g]);
+}
+// B(k, n) = M[n0 + n][k0 + k]
+__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, const float* M, int ld, int k0, int n0,
+                                          int g, int t) {
+  const float* q = M + (n0 + g) * ld + k0 + t;
+  b0 = tf32(q[0]);
+  b1 = tf32(q[4]);
+}
+
 // ---- 2. per (chunk, head): A, substitution, U, W, P ------------------------------
 struct ChunkParams {
   const float* act;  // [T][C]
@@ -138,19 +207,23 @@ struct ChunkParams {
   float* c;  // [nv][T]
 };
 
+// Warp w works on the 16-row block mr = w % 4 and the column half nh = w / 4
+// of each 64 x 64 / 64 x D product.
 template <int D>
-__global__ void __launch_bounds__(kDnThreads) dn_chunk_kernel(const ChunkParams p) {
+__global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkParams p) {
   using Sh = DnShape<D>;
-  constexpr int kD = D, kPad = Sh::kPad;
-  extern __shared__ float sm[];
-  float* Ks = sm;
-  float* Qs = Ks + kChunk * kPad;  // kQRegion floats: Q, then X
-  float* Vs = Qs + Sh::kQRegion;
-  float* As = Vs + kChunk * kPad;
-  float* cs = As + kChunk * kPadA;
+  constexpr int kD = D, kPad = Sh::kPad, kPadT = Sh::kPadT, kPadQ = Sh::kPadQ;
+  extern __shared__ __align__(16) float sm[];
+  float* Ks = sm;                    // [64][kPad]
+  float* Qs = Ks + kChunk * kPad;    // [64][kPadQ]; after the products: X, A
+  float* X = Qs;                     // [64][kPadA]
+  float* As = Qs + kChunk * kPadA;   // [64][kPadA]
+  float* Vs = Qs + Sh::kQRegion;     // [64][kPadT]
+  float* cs = Vs + kChunk * kPadT;
   float* bs = cs + kChunk;
   float* ec = bs + kChunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, mr = warp & 3, nh = warp >> 2;
   const int ci = blockIdx.x, h = blockIdx.y;
   const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
   const int kh = h / (p.nv / p.nk);
@@ -160,9 +233,9 @@ __global__ void __launch_bounds__(kDnThreads) dn_chunk_kernel(const ChunkParams 
     const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
     const bool ok = i < L;
     const float* row = p.act + size_t(ok ? t0 + i : 0) * p.C;
-    cp_async16(Qs + i * kPad + x, row + kh * kD + x, ok ? 16 : 0);
+    cp_async16(Qs + i * kPadQ + x, row + kh * kD + x, ok ? 16 : 0);
     cp_async16(Ks + i * kPad + x, row + p.nk * kD + kh * kD + x, ok ? 16 : 0);
-    cp_async16(Vs + i * kPad + x, row + 2 * p.nk * kD + h * kD + x, ok ? 16 : 0);
+    cp_async16(Vs + i * kPadT + x, row + 2 * p.nk * kD + h * kD + x, ok ? 16 : 0);
   }
   cp_async_commit();
   if (tid < kChunk) {
@@ -184,58 +257,53 @@ __global__ void __launch_bounds__(kDnThreads) dn_chunk_kernel(const ChunkParams 
     if (tid < L) p.c[size_t(h) * p.T + t0 + tid] = cs[tid];
   }
 
-  // A (strictly lower) and P (lower incl. diagonal): thread (ti, tj) owns
-  // rows ti + 16 ii and columns tj + 16 jj.
+  // k k^T and q k^T on the lower triangle: rows 16 mr .., columns 32 nh + 8 n;
+  // column tiles entirely above the diagonal are skipped (left zero).
   {
-    const int ti = tid >> 4, tj = tid & 15;
-    float dkk[4][4], dqk[4][4];
+    float kk[4][4], qk[4][4];
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+    for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) dkk[a][b] = dqk[a][b] = 0.f;
-    for (int x = 0; x < kD; x += 4) {
-      float4 ki[4], qi[4], kj[4];
+      for (int e = 0; e < 4; ++e) kk[n][e] = qk[n][e] = 0.f;
+    for (int k0 = 0; k0 < kD; k0 += 8) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, Ks, kPad, 16 * mr, k0, g, t);
+      frag_a(aq, Qs, kPadQ, 16 * mr, k0, g, t);
 #pragma unroll
-      for (int ii = 0; ii < 4; ++ii) {
-        ki[ii] = *reinterpret_cast<const float4*>(Ks + (ti + 16 * ii) * kPad + x);
-        qi[ii] = *reinterpret_cast<const float4*>(Qs + (ti + 16 * ii) * kPad + x);
+      for (int n = 0; n < 4; ++n) {
+        if (32 * nh + 8 * n > 16 * mr + 15) continue;  // warp-uniform
+        uint32_t b0, b1;
+        frag_b_nk(b0, b1, Ks, kPad, k0, 32 * nh + 8 * n, g, t);
+        mma_tf32(kk[n], ak, b0, b1);
+        mma_tf32(qk[n], aq, b0, b1);
       }
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) kj[jj] = *reinterpret_cast<const float4*>(Ks + (tj + 16 * jj) * kPad + x);
-#pragma unroll
-      for (int ii = 0; ii < 4; ++ii)
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          dkk[ii][jj] = fmaf(ki[ii].x, kj[jj].x, dkk[ii][jj]);
-          dkk[ii][jj] = fmaf(ki[ii].y, kj[jj].y, dkk[ii][jj]);
-          dkk[ii][jj] = fmaf(ki[ii].z, kj[jj].z, dkk[ii][jj]);
-          dkk[ii][jj] = fmaf(ki[ii].w, kj[jj].w, dkk[ii][jj]);
-          dqk[ii][jj] = fmaf(qi[ii].x, kj[jj].x, dqk[ii][jj]);
-          dqk[ii][jj] = fmaf(qi[ii].y, kj[jj].y, dqk[ii][jj]);
-          dqk[ii][jj] = fmaf(qi[ii].z, kj[jj].z, dqk[ii][jj]);
-          dqk[ii][jj] = fmaf(qi[ii].w, kj[jj].w, dqk[ii][jj]);
-        }
     }
+    __syncthreads();  // every warp has read Q: A may overwrite its storage
     float* Pout = p.Pm + (size_t(h) * p.nchunks + ci) * kChunk * kChunk;
 #pragma unroll
-    for (int ii = 0; ii < 4; ++ii)
+    for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const int i = ti + 16 * ii, j = tj + 16 * jj;
-        const float decay = j <= i ? expf(cs[i] - cs[j]) : 0.f;
-        As[i * kPadA + j] = j < i ? -bs[i] * dkk[ii][jj] * decay : 0.f;
-        Pout[i * kChunk + j] = j <= i ? dqk[ii][jj] * decay : 0.f;
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mr + g + 8 * hf, j = 32 * nh + 8 * n + 2 * t;
+        float av[2], pv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int jj = j + e;
+          const float decay = jj <= i ? expf(cs[i] - cs[jj]) : 0.f;
+          av[e] = jj < i ? -bs[i] * kk[n][2 * hf + e] * decay : 0.f;
+          pv[e] = jj <= i ? qk[n][2 * hf + e] * decay : 0.f;
+        }
+        *reinterpret_cast<float2*>(As + i * kPadA + j) = make_float2(av[0], av[1]);
+        *reinterpret_cast<float2*>(Pout + i * kChunk + j) = make_float2(pv[0], pv[1]);
       }
   }
   __syncthreads();
 
-  // Forward substitution into X = (I - A)^-1 - I (strictly lower), in the Q
-  // tile's storage (Q is no longer needed):
+  // Forward substitution into X = (I - A)^-1 - I (strictly lower):
   //   X[i][j] = A[i][j] + sum_{j<m<i} A[i][m] X[m][j].
   // Columns are independent and each is sequential in i, so warp w owns
   // columns 8w .. 8w+7, four lanes per column splitting the sum over m; a
   // column's earlier rows were written by the same warp (__syncwarp orders them).
-  float* X = Qs;
   {
     const int j = warp * 8 + (lane >> 2), part = lane & 3;
     for (int i = 0; i < kChunk; ++i) {
@@ -249,43 +317,42 @@ __global__ void __launch_bounds__(kDnThreads) dn_chunk_kernel(const ChunkParams 
   }
   __syncthreads();
 
-  // U = (I + A) (beta v), W = (I + A) (beta k e^c): thread owns column y and
-  // the rows i = G r + par (G = 256 / D threads per column, par = tid / D,
-  // warp-uniform).
+  // U = (I + X)(beta v), W = (I + X)(beta e^c k), 64 x D each: warp (mr, nh)
+  // computes rows 16 mr .. and columns nh D/2 .. (D/16 tiles), U then W. X is
+  // strictly lower, so only its first 16 (mr + 1) columns are read.
   {
-    constexpr int G = Sh::kRowGroups, R = kChunk / G;
-    const int y = tid & (kD - 1), par = tid >> Sh::kLog2D;
-    float au[R], aw[R];
+    constexpr int NT = kD / 16;
+#pragma unroll 1
+    for (int which = 0; which < 2; ++which) {
+      const float* B = which ? Ks : Vs;
+      const int ldb = which ? kPad : kPadT;
+      float acc[NT][4];
 #pragma unroll
-    for (int r = 0; r < R; ++r) au[r] = aw[r] = 0.f;
-    for (int j = 0; j < kChunk; j += 4) {
-      float bv[4], kb[4];
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        bv[e] = bs[j + e] * Vs[(j + e) * kPad + y];
-        kb[e] = bs[j + e] * Ks[(j + e) * kPad + y] * ec[j + e];
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+      for (int k0 = 0; k0 < 16 * (mr + 1); k0 += 8) {
+        uint32_t a[4];
+        frag_a(a, X, kPadA, 16 * mr, k0, g, t);
+        const float f0 = bs[k0 + t] * (which ? ec[k0 + t] : 1.f);
+        const float f1 = bs[k0 + t + 4] * (which ? ec[k0 + t + 4] : 1.f);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int col = nh * (kD / 2) + 8 * n + g;
+          mma_tf32(acc[n], a, tf32(B[(k0 + t) * ldb + col] * f0), tf32(B[(k0 + t + 4) * ldb + col] * f1));
+        }
       }
+      float* dst = which ? p.W : p.U;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const float4 a4 = *reinterpret_cast<const float4*>(X + (G * r + par) * kPadA + j);
-        au[r] = fmaf(a4.x, bv[0], au[r]);
-        au[r] = fmaf(a4.y, bv[1], au[r]);
-        au[r] = fmaf(a4.z, bv[2], au[r]);
-        au[r] = fmaf(a4.w, bv[3], au[r]);
-        aw[r] = fmaf(a4.x, kb[0], aw[r]);
-        aw[r] = fmaf(a4.y, kb[1], aw[r]);
-        aw[r] = fmaf(a4.z, kb[2], aw[r]);
-        aw[r] = fmaf(a4.w, kb[3], aw[r]);
-      }
-    }
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int i = G * r + par;
-      if (i < L) {
-        const size_t o = (size_t(h) * p.T + t0 + i) * kD + y;
-        p.U[o] = bs[i] * Vs[i * kPad + y] + au[r];
-        p.W[o] = bs[i] * Ks[i * kPad + y] * ec[i] + aw[r];
-      }
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = 16 * mr + g + 8 * hf, y = nh * (kD / 2) + 8 * n + 2 * t;
+          if (i >= L) continue;
+          const float f = bs[i] * (which ? ec[i] : 1.f);
+          *reinterpret_cast<float2*>(dst + (size_t(h) * p.T + t0 + i) * kD + y) =
+              make_float2(fmaf(B[i * ldb + y], f, acc[n][2 * hf]), fmaf(B[i * ldb + y + 1], f, acc[n][2 * hf + 1]));
+        }
     }
   }
 }
@@ -308,28 +375,41 @@ struct StateParams {
 // chunk's arithmetic: group A = {W, q, U slice, c} (needed first), group
 // B = {P, k} (needed after v_new). q and k are copied raw; their decay
 // factors are applied to the sums instead (o: e^c_i, update: e^(c_L - c_j)).
+// The f32 state slice [D x 32] lives in the warps' accumulator registers
+// (warp w: rows 16 (w / (4 / SN)) .., SN column tiles); a copy in shared
+// memory is the B operand of the next chunk's W S and q S.
 template <int D>
 __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StateParams p) {
-  constexpr int kD = D, kPad = DnShape<D>::kPad;
+  using Sh = DnShape<D>;
+  constexpr int kD = D, kPad = Sh::kPad, kPadT = Sh::kPadT, kSP = kSlicePad;
   extern __shared__ __align__(16) float sm[];
-  float* Wc = sm;
-  float* Qc = Wc + kChunk * kPad;
-  float* Kc = Qc + kChunk * kPad;
-  float* Pc = Kc + kChunk * kPad;
-  float* Uc = Pc + kChunk * kPadA;   // U slice
-  float* VN = Uc + kChunk * kSlice;  // v_new slice
-  float* S = VN + kChunk * kSlice;   // [D][32]
-  float* cc = S + kD * kSlice;       // [2][64]
-  float* fj = cc + 2 * kChunk;       // e^(c_L - c_j)
+  float* Wc = sm;                     // [64][kPad]
+  float* Qc = Wc + kChunk * kPad;     // [64][kPad]
+  float* Kc = Qc + kChunk * kPad;     // [64][kPadT]
+  float* Pc = Kc + kChunk * kPadT;    // [64][kPadA]
+  float* Uc = Pc + kChunk * kPadA;    // [64][kSP] U slice
+  float* VN = Uc + kChunk * kSP;      // [64][kSP] v_new slice
+  float* S = VN + kChunk * kSP;       // [D][kSP]
+  float* cc = S + kD * kSP;           // [2][64]
+  float* fj = cc + 2 * kChunk;        // e^(c_L - c_j)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, mr = warp & 3, nh = warp >> 2;
   const int slices = kD / kSlice;
   const int h = blockIdx.x / slices, y0 = (blockIdx.x % slices) * kSlice;
   const int kh = h / (p.nv / p.nk);
   float* st = p.state + size_t(h) * kD * kD;
-  for (int idx = tid; idx < kD * kSlice; idx += blockDim.x) {
-    const int x = idx / kSlice, y = idx % kSlice;
-    S[idx] = st[x * kD + y0 + y];
-  }
+
+  constexpr int SN = kD / 32;  // state column tiles per warp: 4, 2, 1
+  const int s_m = 16 * (warp / (4 / SN)), s_n = 8 * SN * (warp % (4 / SN));
+  float sreg[SN][4];
+#pragma unroll
+  for (int n = 0; n < SN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int x = s_m + g + 8 * (e >> 1), y = s_n + 8 * n + 2 * t + (e & 1);
+      sreg[n][e] = st[x * kD + y0 + y];
+      S[x * kSP + y] = sreg[n][e];
+    }
 
   auto issue_a = [&](int ci) {
     const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
@@ -337,15 +417,15 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
     for (int idx = tid; idx < kChunk * (kD / 4); idx += blockDim.x) {
       const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
       const bool ok = i < L;
-      const int t = ok ? t0 + i : 0;
-      cp_async16(Wc + i * kPad + x, p.W + (size_t(h) * p.T + t) * kD + x, ok ? 16 : 0);
-      cp_async16(Qc + i * kPad + x, p.act + size_t(t) * p.C + kh * kD + x, ok ? 16 : 0);
+      const int tt = ok ? t0 + i : 0;
+      cp_async16(Wc + i * kPad + x, p.W + (size_t(h) * p.T + tt) * kD + x, ok ? 16 : 0);
+      cp_async16(Qc + i * kPad + x, p.act + size_t(tt) * p.C + kh * kD + x, ok ? 16 : 0);
     }
     for (int idx = tid; idx < kChunk * (kSlice / 4); idx += blockDim.x) {
       const int i = idx / (kSlice / 4), y = (idx % (kSlice / 4)) * 4;
       const bool ok = i < L;
-      const int t = ok ? t0 + i : 0;
-      cp_async16(Uc + i * kSlice + y, p.U + (size_t(h) * p.T + t) * kD + y0 + y, ok ? 16 : 0);
+      const int tt = ok ? t0 + i : 0;
+      cp_async16(Uc + i * kSP + y, p.U + (size_t(h) * p.T + tt) * kD + y0 + y, ok ? 16 : 0);
     }
     if (tid < kChunk) {
       const bool ok = tid < L;
@@ -357,8 +437,8 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
     for (int idx = tid; idx < kChunk * (kD / 4); idx += blockDim.x) {
       const int i = idx / (kD / 4), x = (idx % (kD / 4)) * 4;
       const bool ok = i < L;
-      const int t = ok ? t0 + i : 0;
-      cp_async16(Kc + i * kPad + x, p.act + size_t(t) * p.C + p.nk * kD + kh * kD + x, ok ? 16 : 0);
+      const int tt = ok ? t0 + i : 0;
+      cp_async16(Kc + i * kPadT + x, p.act + size_t(tt) * p.C + p.nk * kD + kh * kD + x, ok ? 16 : 0);
     }
     const float* Psrc = p.Pm + (size_t(h) * p.nchunks + ci) * kChunk * kChunk;
     for (int idx = tid; idx < kChunk * kChunk / 4; idx += blockDim.x) {
@@ -380,85 +460,98 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
     const float cL = cb[L - 1];
     if (tid < kChunk) fj[tid] = expf(cL - cb[tid]);
 
-    // v_new = U - W S and q S for rows warp*8 .. +8, column `lane`.
-    float vn[8], qs[8];
+    // v_new = U - W S and q S: rows 16 mr .., columns 16 nh .. (two tiles).
+    float vn[2][4], qs[2][4];
 #pragma unroll
-    for (int r = 0; r < 8; ++r) vn[r] = qs[r] = 0.f;
-    for (int x = 0; x < kD; x += 4) {
-      const float s0 = S[(x + 0) * kSlice + lane], s1 = S[(x + 1) * kSlice + lane];
-      const float s2 = S[(x + 2) * kSlice + lane], s3 = S[(x + 3) * kSlice + lane];
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int i = warp * 8 + r;
-        const float4 w4 = *reinterpret_cast<const float4*>(Wc + i * kPad + x);
-        const float4 q4 = *reinterpret_cast<const float4*>(Qc + i * kPad + x);
-        vn[r] = fmaf(w4.x, s0, vn[r]);
-        vn[r] = fmaf(w4.y, s1, vn[r]);
-        vn[r] = fmaf(w4.z, s2, vn[r]);
-        vn[r] = fmaf(w4.w, s3, vn[r]);
-        qs[r] = fmaf(q4.x, s0, qs[r]);
-        qs[r] = fmaf(q4.y, s1, qs[r]);
-        qs[r] = fmaf(q4.z, s2, qs[r]);
-        qs[r] = fmaf(q4.w, s3, qs[r]);
+      for (int e = 0; e < 4; ++e) vn[n][e] = qs[n][e] = 0.f;
+    for (int k0 = 0; k0 < kD; k0 += 8) {
+      uint32_t aw[4], aq[4];
+      frag_a(aw, Wc, kPad, 16 * mr, k0, g, t);
+      frag_a(aq, Qc, kPad, 16 * mr, k0, g, t);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b0, b1;
+        frag_b_kn(b0, b1, S, kSP, k0, 16 * nh + 8 * n, g, t);
+        mma_tf32(vn[n], aw, b0, b1);
+        mma_tf32(qs[n], aq, b0, b1);
       }
     }
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int i = warp * 8 + r;
-      VN[i * kSlice + lane] = Uc[i * kSlice + lane] - vn[r];
-      qs[r] *= expf(cb[i]);
-    }
-    __syncthreads();  // W, q, U consumed; v_new and fj visible
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mr + g + 8 * hf, y = 16 * nh + 8 * n + 2 * t;
+        const float2 u = *reinterpret_cast<const float2*>(Uc + i * kSP + y);
+        *reinterpret_cast<float2*>(VN + i * kSP + y) = make_float2(u.x - vn[n][2 * hf], u.y - vn[n][2 * hf + 1]);
+        const float e = expf(cb[i]);
+        qs[n][2 * hf] *= e;
+        qs[n][2 * hf + 1] *= e;
+      }
+    __syncthreads();  // W, q, U, S consumed; v_new and fj visible
     if (ci + 1 < p.nchunks) issue_a(ci + 1);
     cp_async_commit();
     cp_async_wait<1>();  // group B of this chunk
     __syncthreads();
 
-    // o = (q e^c) S + P v_new
+    // o = (q e^c) S + P v_new (P is lower triangular: its first 16 (mr + 1) columns).
+    for (int k0 = 0; k0 < 16 * (mr + 1); k0 += 8) {
+      uint32_t a[4];
+      frag_a(a, Pc, kPadA, 16 * mr, k0, g, t);
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
-      const int i = warp * 8 + r;
-      float o = qs[r];
-      for (int j = 0; j < kChunk; j += 4) {
-        const float4 p4 = *reinterpret_cast<const float4*>(Pc + i * kPadA + j);
-        o = fmaf(p4.x, VN[(j + 0) * kSlice + lane], o);
-        o = fmaf(p4.y, VN[(j + 1) * kSlice + lane], o);
-        o = fmaf(p4.z, VN[(j + 2) * kSlice + lane], o);
-        o = fmaf(p4.w, VN[(j + 3) * kSlice + lane], o);
+      for (int n = 0; n < 2; ++n) {
+        uint32_t b0, b1;
+        frag_b_kn(b0, b1, VN, kSP, k0, 16 * nh + 8 * n, g, t);
+        mma_tf32(qs[n], a, b0, b1);
       }
-      if (i < L) p.out[size_t(t0 + i) * p.ld_out + h * kD + y0 + lane] = o;
     }
-    // S = e^(c_L) S + sum_j k_j e^(c_L - c_j) v_new_j^T, rows warp*RW .. +RW
-    // (RW = D / 8: the 8 warps split the D rows of the slice).
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 16 * mr + g + 8 * hf;
+        if (i >= L) continue;
+        float* o = p.out + size_t(t0 + i) * p.ld_out + h * kD + y0 + 16 * nh + 8 * n + 2 * t;
+        o[0] = qs[n][2 * hf];
+        o[1] = qs[n][2 * hf + 1];
+      }
+    // S = e^(c_L) S + sum_j (k_j e^(c_L - c_j)) v_new_j^T
     {
-      constexpr int RW = kD / 8;
       const float eL = expf(cL);
-      float acc[RW];
 #pragma unroll
-      for (int xx = 0; xx < RW; ++xx) acc[xx] = S[(warp * RW + xx) * kSlice + lane] * eL;
-      for (int j = 0; j < kChunk; ++j) {
-        const float v = VN[j * kSlice + lane] * fj[j];
+      for (int n = 0; n < SN; ++n)
 #pragma unroll
-        for (int q = 0; q < RW / 4; ++q) {
-          const float4 k4 = *reinterpret_cast<const float4*>(Kc + j * kPad + warp * RW + q * 4);
-          acc[q * 4 + 0] = fmaf(k4.x, v, acc[q * 4 + 0]);
-          acc[q * 4 + 1] = fmaf(k4.y, v, acc[q * 4 + 1]);
-          acc[q * 4 + 2] = fmaf(k4.z, v, acc[q * 4 + 2]);
-          acc[q * 4 + 3] = fmaf(k4.w, v, acc[q * 4 + 3]);
+        for (int e = 0; e < 4; ++e) sreg[n][e] *= eL;
+      for (int k0 = 0; k0 < kChunk; k0 += 8) {
+        uint32_t a[4];
+        frag_a_t(a, Kc, kPadT, fj, s_m, k0, g, t);
+#pragma unroll
+        for (int n = 0; n < SN; ++n) {
+          uint32_t b0, b1;
+          frag_b_kn(b0, b1, VN, kSP, k0, s_n + 8 * n, g, t);
+          mma_tf32(sreg[n], a, b0, b1);
         }
       }
 #pragma unroll
-      for (int xx = 0; xx < RW; ++xx) S[(warp * RW + xx) * kSlice + lane] = acc[xx];
+      for (int n = 0; n < SN; ++n)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<float2*>(S + (s_m + g + 8 * hf) * kSP + s_n + 8 * n + 2 * t) =
+              make_float2(sreg[n][2 * hf], sreg[n][2 * hf + 1]);
     }
-    __syncthreads();  // P, k, v_new consumed
+    __syncthreads();  // P, k, v_new consumed; S visible
     if (ci + 1 < p.nchunks) issue_b(ci + 1);
     cp_async_commit();
   }
   cp_async_wait<0>();
-  for (int idx = tid; idx < kD * kSlice; idx += blockDim.x) {
-    const int x = idx / kSlice, y = idx % kSlice;
-    st[x * kD + y0 + y] = S[idx];
-  }
+#pragma unroll
+  for (int n = 0; n < SN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int x = s_m + g + 8 * (e >> 1), y = s_n + 8 * n + 2 * t + (e & 1);
+      st[x * kD + y0 + y] = sreg[n][e];
+    }
 }
 
 struct DnLayout {
@@ -562,12 +655,9 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
 
   PrepParams pp{a.qkv, a.ld_qkv, a.a, a.b, a.ld_ab, a.conv_w, a.conv_ring, a.a_log, a.dt_bias,
                 a.T, a.first_position, a.nk, a.nv, C, act, beta, g};
-  const size_t prep_smem = size_t(C) * 4;
-  static const bool prep_ok = (set_smem(dn_prep_kernel<D>, 96 * 1024, "cudaFuncSetAttribute(dn_prep_kernel)"), true);
-  (void)prep_ok;
-  if (prep_smem > 96 * 1024) fail("prefill_deltanet: too many channels (", C, ")");
+  const long long prep_threads = std::max<long long>(32LL * a.T * (2 * a.nk + a.nv), 1LL * a.T * a.nv);
   mark(0);
-  dn_prep_kernel<D><<<a.T, kDnThreads, prep_smem, stream>>>(pp);
+  dn_prep_kernel<D><<<static_cast<unsigned>((prep_threads + kDnThreads - 1) / kDnThreads), kDnThreads, 0, stream>>>(pp);
   check_launch("dn_prep_kernel");
   mark(1);
   dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring);

@@ -259,32 +259,37 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     } else {
       wt = reinterpret_cast<const uint16_t*>(Wst + size_t(stage) * WTile<F>::stage_bytes);
     }
+    // A warp with no valid row (the second half of a partial MoE expert
+    // tile or of the last tile) skips the MMAs (one warp-uniform test per
+    // k-step: a test per 16-row slice inside the loop cost ~20% of the rate).
+    if (wm * WM < rows_valid) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t a[MT][4];
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t a[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int r = wm * WM + mt * 16 + (lane & 15);
-        const int ch = kk * 2 + (lane >> 4);
-        ldmatrix_x4(a[mt], xt + r * 64 + ((ch ^ (r & 7)) << 3));
+        for (int mt = 0; mt < MT; ++mt) {
+          const int r = wm * WM + mt * 16 + (lane & 15);
+          const int ch = kk * 2 + (lane >> 4);
+          ldmatrix_x4(a[mt], xt + r * 64 + ((ch ^ (r & 7)) << 3));
+        }
+        uint32_t b[4][2];
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          const int nbase = SWIGLU ? (np == 0 ? wn * 16 : 64 + wn * 16) : wn * 32 + np * 16;
+          const int n = nbase + (lane & 7) + ((lane >> 4) << 3);
+          const int ch = kk * 2 + ((lane >> 3) & 1);
+          uint32_t t[4];
+          ldmatrix_x4(t, wt + n * 64 + ((ch ^ (n & 7)) << 3));
+          b[2 * np][0] = t[0];
+          b[2 * np][1] = t[1];
+          b[2 * np + 1][0] = t[2];
+          b[2 * np + 1][1] = t[3];
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
       }
-      uint32_t b[4][2];
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        const int nbase = SWIGLU ? (np == 0 ? wn * 16 : 64 + wn * 16) : wn * 32 + np * 16;
-        const int n = nbase + (lane & 7) + ((lane >> 4) << 3);
-        const int ch = kk * 2 + ((lane >> 3) & 1);
-        uint32_t t[4];
-        ldmatrix_x4(t, wt + n * 64 + ((ch ^ (n & 7)) << 3));
-        b[2 * np][0] = t[0];
-        b[2 * np][1] = t[1];
-        b[2 * np + 1][0] = t[2];
-        b[2 * np + 1][1] = t[3];
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
     }
   }
   cp_async_wait<0>();
@@ -657,7 +662,13 @@ size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter) {
   return moe_layout(T, E, k, hidden, inter).total;
 }
 
-void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
+namespace {
+
+// ev (optional): 5 events recorded around routing, gate/up, down, combine.
+void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
+  auto mark = [&](int i) {
+    if (ev) check(cudaEventRecord(ev[i], stream), "cudaEventRecord");
+  };
   if (a.T <= 0) return;
   if (a.E <= 0 || a.E > 1024 || a.E > 32 * kRouteMaxPerLane) fail("prefill_moe: experts (", a.E, ") must be in [1, 512]");
   if (a.k <= 0 || a.k > 32 || a.k > a.E) fail("prefill_moe: top-k (", a.k, ") must be in [1, min(32, experts)]");
@@ -699,6 +710,7 @@ void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
   const int bm = a.tile_rows ? a.tile_rows : (n / a.E) >= 96 ? 128 : 64;
   const int max_tiles = n / bm + std::min(a.E, n) + 1;
 
+  mark(0);
   check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
   moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
                                                        a.norm_topk ? 1 : 0, ids, weights, counts);
@@ -723,7 +735,9 @@ void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
   p.y = h;
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
+  mark(1);
   launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+  mark(2);
 
   GemmParams q = base_params(a.down);
   q.x = h;
@@ -737,11 +751,26 @@ void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) {
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::F32);
   launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+  mark(3);
 
   moe_combine_kernel<<<a.T, 256, 0, stream>>>(yp, a.hidden, slot_pos, weights, a.k, a.shared_out,
                                               a.ld_shared, a.shared_gate_logit, a.ld_shared_gate,
                                               a.out, a.ldo, a.accumulate ? 1 : 0);
   check_launch("moe_combine_kernel");
+  mark(4);
+}
+
+}  // namespace
+
+void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) { run_moe(a, stream, nullptr); }
+
+void prefill_moe_timed(const PrefillMoeArgs& a, cudaStream_t stream, float (&ms)[4]) {
+  cudaEvent_t ev[5];
+  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
+  run_moe(a, stream, ev);
+  check(cudaEventSynchronize(ev[4]), "cudaEventSynchronize");
+  for (int i = 0; i < 4; ++i) check(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "cudaEventElapsedTime");
+  for (auto& e : ev) cudaEventDestroy(e);
 }
 
 }  // namespace lily::cuda
