@@ -123,16 +123,48 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd,
   }
 }
 
+// ---- Hopper warpgroup MMA (wgmma) with both operands in shared memory --------
+// The tiles are 128-byte rows (64 bf16 of K) with the 16-byte chunk c of row r
+// stored at c ^ (r & 7): the canonical K-major 128-byte-swizzle layout (8-row
+// groups 1024 bytes apart). A descriptor holds the start address (the tile
+// 1024-aligned, +32 bytes per 16-wide k step), the stride between 8-row groups
+// (1024 bytes) and the swizzle mode; the leading offset is unused here.
+__device__ __forceinline__ uint64_t wg_desc(const void* p) {
+  return uint64_t((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared-memory writes of the generic proxy (cp.async, st.shared) made
+// visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// d += A . B^T: A 64 x 16 (rows of this warpgroup), B 128 x 16, f32 accumulators
+// (d[4j + 2h + e] = row g + 8h, column 8j + 2t + e; g = lane / 4, t = lane % 4,
+// rows offset by 16 per warp of the group).
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+
 template <int F, int BM, bool SWIGLU, bool GROUPED>
 __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   constexpr int WM = BM / 2;   // rows per warp
   constexpr int MT = WM / 16;  // m16 tiles per warp
   constexpr bool QUANT = F != kBF16;
-  extern __shared__ __align__(128) uint8_t smem[];
+  // 128-row tiles: two warpgroups (64 rows x 128 columns each) on wgmma;
+  // 64-row tiles: 8 warps (32 x 32 each) on mma.sync.
+  constexpr bool kWG = BM == 128;
+  // Xs stages, Wd and the bf16 weight stages start at multiples of 1024 bytes
+  // (the wgmma descriptors' swizzle atom).
+  extern __shared__ __align__(1024) uint8_t smem[];
   uint16_t* Xs = reinterpret_cast<uint16_t*>(smem);
-  uint8_t* Wst = smem + size_t(kStages) * BM * 128;
-  uint16_t* Wd = reinterpret_cast<uint16_t*>(Wst + size_t(kStages) * WTile<F>::stage_bytes);
-  int* s_arow = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(Wd) + (QUANT ? kBN * 128 : 0));
+  uint16_t* Wd = reinterpret_cast<uint16_t*>(smem + size_t(kStages) * BM * 128);
+  uint8_t* Wst = reinterpret_cast<uint8_t*>(Wd) + (QUANT ? kBN * 128 : 0);
+  int* s_arow = reinterpret_cast<int*>(Wst + size_t(kStages) * WTile<F>::stage_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 2, wn = warp & 3;
@@ -234,6 +266,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     for (int b = 0; b < 4; ++b)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+  // The wgmma path's 64 accumulators (BM = 128: MT = 4, the same registers).
+  float (&wacc)[64] = reinterpret_cast<float (&)[64]>(acc);
+  const int wg = warp >> 2;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -243,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 2>();
+    if constexpr (kWG) fence_proxy_async();
     __syncthreads();
     {
       const int nk = kt + kStages - 1;
@@ -254,15 +290,24 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     const uint16_t* wt;
     if constexpr (QUANT) {
       dequant_tile<F>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
+      if constexpr (kWG) fence_proxy_async();
       __syncthreads();
       wt = Wd;
     } else {
       wt = reinterpret_cast<const uint16_t*>(Wst + size_t(stage) * WTile<F>::stage_bytes);
     }
-    // A warp with no valid row (the second half of a partial MoE expert
-    // tile or of the last tile) skips the MMAs (one warp-uniform test per
+    // A warp(group) with no valid row (the second half of a partial MoE
+    // expert tile or of the last tile) skips the MMAs (one uniform test per
     // k-step: a test per 16-row slice inside the loop cost ~20% of the rate).
-    if (wm * WM < rows_valid) {
+    if constexpr (kWG) {
+      if (64 * wg < rows_valid) {
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_n128(wacc, wg_desc(xt + 64 * wg * 64 + kk * 16), wg_desc(wt + kk * 16));
+        wg_commit();
+        wg_wait_all();
+      }
+    } else if (wm * WM < rows_valid) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         uint32_t a[MT][4];
@@ -295,46 +340,64 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   cp_async_wait<0>();
 
   // Epilogue straight from the accumulators.
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  auto store = [&](int r, int col, float v) {
+    const size_t o = size_t(m0 + r) * p.ldy + col;
+    if (split) {
+      atomicAdd(static_cast<float*>(p.y) + o, v);
+    } else if (p.out_kind == int(PrefillOut::F32)) {
+      static_cast<float*>(p.y)[o] = v;
+    } else if (p.out_kind == int(PrefillOut::F32Add)) {
+      static_cast<float*>(p.y)[o] += v;
+    } else {
+      static_cast<uint16_t*>(p.y)[o] = f32_to_bf16_bits(v);
+    }
+  };
+  auto store_swiglu = [&](int r, int col, float g, float u) {
+    static_cast<uint16_t*>(p.y)[size_t(m0 + r) * p.ldy + col] = f32_to_bf16_bits(p_silu(g) * u);
+  };
+  if constexpr (kWG) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = wm * WM + mt * 16 + (lane >> 2) + half * 8;
+      const int r = 64 * wg + 16 * (warp & 3) + (lane >> 2) + half * 8;
       if (r >= rows_valid) continue;
-      const size_t orow = size_t(m0 + r) * p.ldy;
-      if constexpr (SWIGLU) {
-        uint16_t* y = static_cast<uint16_t*>(p.y);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int col = nb0 + wn * 16 + nt * 8 + (lane & 3) * 2;
+      for (int j = 0; j < (SWIGLU ? 8 : 16); ++j)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (col + e >= p.N) continue;
-            const float g = acc[mt][nt][half * 2 + e], u = acc[mt][nt + 2][half * 2 + e];
-            y[orow + col + e] = f32_to_bf16_bits(p_silu(g) * u);
-          }
+        for (int e = 0; e < 2; ++e) {
+          const int col = nb0 + 8 * j + (lane & 3) * 2 + e;
+          if (col >= p.N) continue;
+          if constexpr (SWIGLU)
+            store_swiglu(r, col, wacc[4 * j + 2 * half + e], wacc[4 * (j + 8) + 2 * half + e]);
+          else
+            store(r, col, wacc[4 * j + 2 * half + e]);
         }
-      } else {
+    }
+  } else {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int col = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (col + e >= p.N) continue;
-            const float v = acc[mt][nt][half * 2 + e];
-            if (split) {
-              atomicAdd(static_cast<float*>(p.y) + orow + col + e, v);
-            } else if (p.out_kind == int(PrefillOut::F32)) {
-              static_cast<float*>(p.y)[orow + col + e] = v;
-            } else if (p.out_kind == int(PrefillOut::F32Add)) {
-              static_cast<float*>(p.y)[orow + col + e] += v;
-            } else {
-              static_cast<uint16_t*>(p.y)[orow + col + e] = f32_to_bf16_bits(v);
+      for (int half = 0; half < 2; ++half) {
+        const int r = wm * WM + mt * 16 + (lane >> 2) + half * 8;
+        if (r >= rows_valid) continue;
+        if constexpr (SWIGLU) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nb0 + wn * 16 + nt * 8 + (lane & 3) * 2 + e;
+              if (col < p.N) store_swiglu(r, col, acc[mt][nt][half * 2 + e], acc[mt][nt + 2][half * 2 + e]);
             }
-          }
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2 + e;
+              if (col < p.N) store(r, col, acc[mt][nt][half * 2 + e]);
+            }
         }
       }
-    }
+  }
 }
 
 template <int F, int BM, bool SWIGLU, bool GROUPED>
