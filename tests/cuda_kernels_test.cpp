@@ -121,7 +121,7 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
   }
 }
 
-TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
+TEST(CudaMatvec, AddAndSwiGlu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(11);
   const int E = 5, I = 45, H = 320;
@@ -135,19 +135,16 @@ TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
   auto stack = pk.finish(1);
   const auto x = random_vec(H, rng);
   auto dx = to_device(x);
+  // SwiGLU over two experts of the interleaved stack (offsets from the host).
   const std::vector<int> sel = {3, 0};
-  auto dsel = to_device(sel);
   auto out = poisoned(2 * I);
   cuda::MatvecParams p;
   cuda::set_layout(p, stack.v);
   p.njobs = 2;
   for (int j = 0; j < 2; ++j) {
-    p.jobs[j].w = stack.v.w;
-    p.jobs[j].sb = stack.v.sb;
+    p.jobs[j].w = stack.v.w + size_t(sel[j]) * 2 * I * stack.v.chunks;
+    p.jobs[j].sb = stack.v.sb + size_t(sel[j]) * 2 * I * stack.v.groups;
     p.jobs[j].rows = 2 * I;
-    p.jobs[j].expert = dsel.as<int>() + j;
-    p.jobs[j].w_expert_stride = 2LL * I * stack.v.chunks;
-    p.jobs[j].sb_expert_stride = 2LL * I * stack.v.groups;
     p.jobs[j].out = out.as<float>() + j * I;
   }
   p.x = dx.as<float>();
@@ -169,7 +166,7 @@ TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
   cuda::MatvecParams q;
   cuda::set_layout(q, dm.v);
   q.njobs = 1;
-  q.jobs[0] = {dm.v.w, dm.v.sb, 99, nullptr, 0, 0, dout.as<float>()};
+  q.jobs[0] = {dm.v.w, dm.v.sb, 99, -1, 0, 0, dout.as<float>()};
   q.x = dx.as<float>();
   q.epi = cuda::Epilogue::Add;
   cuda::launch_matvec(q, nullptr, false);
@@ -178,38 +175,92 @@ TEST(CudaMatvec, AddSwiGluAndExpertIndirection) {
   EXPECT_LT(rel_err(to_host<float>(dout, 99), y), 2e-5);
 }
 
-// Router logits -> softmax -> top-k -> renormalise, as the CPU backend does.
-TEST(CudaMatvec, RouterTopKMatchesCpu) {
+// The MoE block's first two launches as the backend issues them: the router
+// matvec writes E logits (+ the shared-expert gate logit), then gate_up's
+// route prologue takes softmax -> top-k -> renormalisation and runs the
+// selected experts (+ the shared expert) with SwiGLU. Against the CPU
+// backend's routing on the device's logits, and the CPU matvec.
+TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(5);
-  for (int norm : {1, 0}) {
-    const int E = 37, k = 5, H = 256;
+  struct Case {
+    int E, k, shared, norm, ties;
+  };
+  // ties: logits from the host, three distinct values (many exact ties);
+  // those cases also run gate_up without an input prologue.
+  const Case cases[] = {{37, 5, 1, 1, 0},  {37, 5, 0, 0, 0},  {300, 8, 1, 0, 0}, {512, 11, 1, 1, 0},
+                        {256, 8, 0, 1, 0}, {70, 6, 1, 1, 1},  {45, 7, 0, 0, 1}};
+  const int H = 320, I = 45, Is = 29;
+  for (const Case& rc : cases) {
+    const int E = rc.E, k = rc.k;
+    SCOPED_TRACE("E " + std::to_string(E) + " k " + std::to_string(k) + " shared " +
+                 std::to_string(rc.shared) + " norm " + std::to_string(rc.norm) + " ties " +
+                 std::to_string(rc.ties));
     auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
     auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
     auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
+    std::vector<test::HostMatrix> gates, ups;
+    for (int e = 0; e < E; ++e) {
+      gates.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+      ups.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+    }
+    cuda::MatPacker pk(gates[0].m, 2 * I * E);
+    for (int e = 0; e < E; ++e) pk.add_interleaved(gates[e].m, ups[e].m);
+    auto stack = pk.finish(3);
+    auto shg = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
+    auto shu = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
+    auto dsh = cuda::upload_interleaved(shg.m, shu.m, 4);
     const auto x = random_vec(H, rng, -3, 3), nw = random_vec(H, rng, 0.5f, 1.5f);
     auto dx = to_device(x), dnw = to_device(nw);
-    auto logits = poisoned(E + 1), sel_w = poisoned(k + 1);
-    DeviceBuffer sel_idx(k * 4), counter(4);
-    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
-    cuda::MatvecParams p;
-    cuda::set_layout(p, dr.v);
-    p.njobs = 2;
-    p.jobs[0] = {dr.v.w, dr.v.sb, E, nullptr, 0, 0, logits.as<float>()};
-    p.jobs[1] = {dsg.v.w, dsg.v.sb, 1, nullptr, 0, 0, logits.as<float>() + E};
-    p.x = dx.as<float>();
-    p.pro = cuda::Prologue::Norm;
-    p.norm_w = dnw.as<float>();
-    p.seg = H;
-    p.fin = cuda::Finish::RouterTopK;
-    p.counter = counter.as<unsigned>();
-    p.router = {logits.as<float>(), E, k, norm, logits.as<float>() + E, sel_idx.as<int>(), sel_w.as<float>()};
-    cuda::launch_matvec(p, nullptr, false);
-    // CPU reference on the device's logits (routing is what is tested here).
+    const cuda::Prologue pro = rc.ties ? cuda::Prologue::None : cuda::Prologue::Norm;
+    std::vector<float> xn = x;
+    if (pro == cuda::Prologue::Norm) cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
+
+    auto logits = poisoned(E + 1);
+    if (rc.ties) {
+      std::vector<float> tl(E + 1);
+      for (float& v : tl) v = 0.5f * static_cast<float>(rng() % 3);
+      cuda::upload(logits, tl.data(), tl.size());
+    } else {
+      cuda::MatvecParams p;
+      cuda::set_layout(p, dr.v);
+      p.njobs = rc.shared ? 2 : 1;
+      p.jobs[0] = {dr.v.w, dr.v.sb, E, -1, 0, 0, logits.as<float>()};
+      p.jobs[1] = {dsg.v.w, dsg.v.sb, 1, -1, 0, 0, logits.as<float>() + E};
+      p.x = dx.as<float>();
+      p.pro = cuda::Prologue::Norm;
+      p.norm_w = dnw.as<float>();
+      p.seg = H;
+      cuda::launch_matvec(p, nullptr, false);
+    }
+
+    auto sel_w = poisoned(k + 1), out = poisoned(size_t(k) * I + Is);
+    DeviceBuffer sel_idx(k * 4);
+    LILY_CUDA(cudaMemset(sel_idx.get(), 0xff, k * 4));
+    cuda::MatvecParams g;
+    cuda::set_layout(g, stack.v);
+    g.route = {logits.as<float>(), E, k, rc.norm, rc.shared ? logits.as<float>() + E : nullptr,
+               sel_idx.as<int>(), sel_w.as<float>()};
+    g.njobs = k + rc.shared;
+    for (int j = 0; j < k; ++j)
+      g.jobs[j] = {stack.v.w, stack.v.sb, 2 * I, j, 2LL * I * stack.v.chunks, 2LL * I * stack.v.groups,
+                   out.as<float>() + j * I};
+    if (rc.shared) g.jobs[k] = {dsh.v.w, dsh.v.sb, 2 * Is, -1, 0, 0, out.as<float>() + k * I};
+    g.x = dx.as<float>();
+    g.pro = pro;
+    g.norm_w = dnw.as<float>();
+    g.seg = H;
+    g.epi = cuda::Epilogue::SwiGLU;
+    cuda::launch_matvec(g, nullptr, false);
+
+    // Router logits against the CPU, then the CPU's routing on the device's
+    // logits (routing is what is tested; near-ties would otherwise flip).
     auto lg = to_host<float>(logits, E + 1);
-    std::vector<float> xn(H);
-    cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
-    EXPECT_LT(rel_err(std::vector<float>(lg.begin(), lg.begin() + E), cpu_matvec(r.m, xn)), 2e-5);
+    if (!rc.ties) {
+      auto want_lg = cpu_matvec(r.m, xn);
+      if (rc.shared) want_lg.push_back(cpu_matvec(sg.m, xn)[0]);
+      EXPECT_LT(rel_err(lg, want_lg), 2e-5);
+    }
     std::vector<float> pr(lg.begin(), lg.begin() + E);
     const float mx = *std::max_element(pr.begin(), pr.end());
     float sum = 0;
@@ -225,10 +276,21 @@ TEST(CudaMatvec, RouterTopKMatchesCpu) {
     auto gw = to_host<float>(sel_w, k + 1);
     for (int j = 0; j < k; ++j) {
       EXPECT_EQ(gi[j], idx[j]) << "slot " << j;
-      EXPECT_NEAR(gw[j], norm ? pr[idx[j]] / top : pr[idx[j]], 1e-6);
+      EXPECT_NEAR(gw[j], rc.norm ? pr[idx[j]] / top : pr[idx[j]], 1e-6) << "slot " << j;
     }
-    EXPECT_NEAR(gw[k], cpu::sigmoid(lg[E]), 1e-6);
-    EXPECT_EQ(to_host<unsigned>(counter, 1)[0], 0u) << "the last block resets the counter";
+    if (rc.shared) {
+      EXPECT_NEAR(gw[k], cpu::sigmoid(lg[E]), 1e-6);
+    }
+
+    // The selected experts' SwiGLU outputs (+ the shared expert's).
+    std::vector<float> want;
+    auto swiglu = [&](const Matrix& gm, const Matrix& um) {
+      auto gg = cpu_matvec(gm, xn), uu = cpu_matvec(um, xn);
+      for (size_t i = 0; i < gg.size(); ++i) want.push_back(cpu::silu(gg[i]) * uu[i]);
+    };
+    for (int j = 0; j < k; ++j) swiglu(gates[idx[j]].m, ups[idx[j]].m);
+    if (rc.shared) swiglu(shg.m, shu.m);
+    EXPECT_LT(rel_err(to_host<float>(out, want.size()), want), 2e-5);
   }
 }
 
@@ -248,7 +310,7 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   cuda::MatvecParams p;
   cuda::set_layout(p, dm.v);
   p.njobs = 1;
-  p.jobs[0] = {dm.v.w, dm.v.sb, V, nullptr, 0, 0, out.as<float>()};
+  p.jobs[0] = {dm.v.w, dm.v.sb, V, -1, 0, 0, out.as<float>()};
   p.x = dx.as<float>();
   p.argmax = 1;
   p.fin = cuda::Finish::LmHead;

@@ -1,7 +1,7 @@
 // The CUDA decode forward pass. One decoder layer is
 //   x += mixer(norm(x))   Gated DeltaNet: in_proj | deltanet_step | out_proj
 //                         full attention: qkv_proj | attention | combine | o_proj
-//   x += ffn(norm(x))     MoE: router (+top-k) | gate_up (+SiLU) | down (+sum)
+//   x += ffn(norm(x))     MoE: router | gate_up (+softmax/top-k, SiLU) | down (+sum)
 //                         dense: gate_up (+SiLU) | down
 // every norm fused into the matvec that reads it, every residual add into the
 // matvec that writes it. A step is a fixed list of launches ("Step"s) that
@@ -294,7 +294,7 @@ struct CudaBackend::Impl {
     fbuf(logits, c.vocab_size);
     fbuf(part_o, size_t(c.num_heads) * opt.max_splits * c.head_dim);
     fbuf(part_ml, size_t(c.num_heads) * opt.max_splits * 2);
-    num_counters = 2 * c.num_layers + 8;
+    num_counters = 4;  // launches with a last-block finish (lm_head)
     fbuf(counters, num_counters);
     std::vector<float> f(c.rotary_dim / 2);
     for (int i = 0; i < c.rotary_dim / 2; ++i)
@@ -362,7 +362,7 @@ struct CudaBackend::Impl {
   struct JobSpec {
     const DevMat* m;
     float* out;
-    const int* expert = nullptr;
+    int slot = -1;    // >= 0: the routed expert of this selection slot (route prologue)
     int experts = 0;  // > 0: m is a stack of this many experts
   };
 
@@ -401,7 +401,7 @@ struct CudaBackend::Impl {
         J.out = j.out;
         if (j.experts > 0) {
           J.rows = j.m->v.rows / j.experts;
-          J.expert = j.expert;
+          J.slot = j.slot;
           J.w_expert_stride = static_cast<long long>(J.rows) * v0.chunks;
           J.sb_expert_stride = static_cast<long long>(J.rows) * v0.groups;
           bytes += double(j.m->v.bytes()) / j.experts;
@@ -411,6 +411,8 @@ struct CudaBackend::Impl {
         }
       }
       bytes += double(p.cols) * 4;
+      if (std::none_of(g.begin(), g.end(), [](const JobSpec& j) { return j.slot >= 0; }))
+        p.route = RouteSpec{};  // no routed job in this launch
       if (gi + 1 < groups.size()) {
         p.fin = Finish::None;
         p.argmax = 0;
@@ -535,23 +537,23 @@ struct CudaBackend::Impl {
       int* sidx = sel_idx.as<int>();
       float* sw = sel_w.as<float>();
       float* Hb = moe_h.as<float>();
-      MatvecParams rp = post;
-      rp.fin = Finish::RouterTopK;
-      rp.router.logits = R;
-      rp.router.experts = E;
-      rp.router.k = k;
-      rp.router.norm_topk = c.norm_topk_prob ? 1 : 0;
-      rp.router.shared_gate_logit = L.has_shared ? R + E : nullptr;
-      rp.router.sel_idx = sidx;
-      rp.router.sel_w = sw;
+      // Router logits (+ the shared-expert gate logit); gate_up routes in its
+      // prologue (softmax, top-k, weights to sel_idx / sel_w for down).
       std::vector<JobSpec> rj = {{&L.router, R}};
       if (L.has_shared) rj.push_back({&L.shared_gate, R + E});
-      add_matvec(steps, "moe.router", rj, rp);
+      add_matvec(steps, "moe.router", rj, post);
 
       MatvecParams gu = post;
       gu.epi = Epilogue::SwiGLU;
+      gu.route.logits = R;
+      gu.route.experts = E;
+      gu.route.k = k;
+      gu.route.norm_topk = c.norm_topk_prob ? 1 : 0;
+      gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;
+      gu.route.sel_idx = sidx;
+      gu.route.sel_w = sw;
       std::vector<JobSpec> gj;
-      for (int j = 0; j < k; ++j) gj.push_back({&L.experts_gate_up, Hb + size_t(j) * I, sidx + j, E});
+      for (int j = 0; j < k; ++j) gj.push_back({&L.experts_gate_up, Hb + size_t(j) * I, j, E});
       if (L.has_shared) gj.push_back({&L.shared_gate_up, Hb + size_t(k) * I});
       add_matvec(steps, "moe.gate_up", gj, gu);
 

@@ -80,22 +80,29 @@ enum class Epilogue : int {
   Add = 1,     // out[r] += y   (residual)
   SwiGLU = 2,  // rows interleaved gate/up: out[r / 2] = silu(y[r]) * y[r + 1]
 };
-enum class Finish : int { None = 0, RouterTopK = 1, LmHead = 2 };
+enum class Finish : int { None = 0, LmHead = 1 };
 
+// A job's expert id: `slot` >= 0 takes expert sel_idx[slot] of the launch's
+// route prologue (see RouteSpec) from a stack of experts.
 struct MatvecJob {
   const uint4* w = nullptr;
   const uint32_t* sb = nullptr;
   int rows = 0;
-  const int* expert = nullptr;   // non-null: use expert *expert of a stack
+  int slot = -1;                   // >= 0: routed expert (needs MatvecParams::route)
   long long w_expert_stride = 0;   // uint4 per expert
   long long sb_expert_stride = 0;  // u32 per expert
   float* out = nullptr;
 };
 
-// Last block of a router launch: softmax over the expert logits, top-k (ties
-// to the lower index), optional renormalisation, shared-expert gate sigmoid.
-struct RouterFinish {
-  const float* logits = nullptr;
+// MoE routing as a matvec prologue (the MoE gate_up launch): after the wait,
+// one warp per block reads the router logits, takes the softmax, the top k
+// (ties to the lower expert index), renormalises them when norm_topk, and
+// puts the shared-expert gate sigmoid at index k; the routed jobs read their
+// expert from that selection in shared memory. Block 0 also writes it to
+// sel_idx / sel_w for the down projection.
+constexpr int kMaxRouteExperts = 512;
+struct RouteSpec {
+  const float* logits = nullptr;  // [experts]; null: no routing
   int experts = 0, k = 0, norm_topk = 1;
   const float* shared_gate_logit = nullptr;  // null: no shared expert
   int* sel_idx = nullptr;                    // [k]
@@ -108,6 +115,7 @@ struct MatvecParams {
   int njobs = 0;
   MatvecJob jobs[kMaxJobs];
   const float* x = nullptr;
+  RouteSpec route;
   Prologue pro = Prologue::None;
   const float* norm_w = nullptr;
   const float* gate_z = nullptr;
@@ -117,7 +125,6 @@ struct MatvecParams {
   int argmax = 0;  // fold each stored row into ctrl->argmax_key
   Finish fin = Finish::None;
   unsigned* counter = nullptr;  // zero between launches; the last block resets it
-  RouterFinish router;
   DecodeCtrl* ctrl = nullptr;  // argmax / LmHead: argmax_key, pos += 1 at the end
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);

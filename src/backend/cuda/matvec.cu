@@ -46,39 +46,48 @@ __host__ __device__ inline MatvecSmem matvec_smem_layout(int chunks, int fpc, in
 
 __device__ __forceinline__ int job_tiles(int rows) { return (rows + kRowsPerTile - 1) / kRowsPerTile; }
 
-template <QFmt F>
-__device__ void stage_input(const MatvecParams& p, float* smem, const MatvecSmem& L) {
-  using CF = ChunkFmt<F>;
-  __shared__ float scratch[32];
-  const int tid = threadIdx.x, nthr = blockDim.x;
+// Staging, first half: threads t of n copy x into the raw buffer (no
+// barrier; x is the predecessor's output) and return their share of sum(x^2).
+__device__ float stage_load(const MatvecParams& p, float* raw, int t, int n) {
   const int cols = p.cols;
-  float* raw = smem + L.raw;
-  float* seginv = smem + L.seginv;
   float ss = 0.f;
   if ((cols & 3) == 0) {
     // All of a thread's loads go out before the first use (each staging
     // loop iteration would otherwise wait one L2 round trip).
     const float4* x4 = reinterpret_cast<const float4*>(p.x);
     const int n4 = cols / 4;
-    for (int i0 = tid; i0 < n4; i0 += nthr * 4) {
+    for (int i0 = t; i0 < n4; i0 += n * 4) {
       float4 v[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (i0 + u * nthr < n4) v[u] = x4[i0 + u * nthr];
+        if (i0 + u * n < n4) v[u] = x4[i0 + u * n];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (i0 + u * nthr < n4) {
-          reinterpret_cast<float4*>(raw)[i0 + u * nthr] = v[u];
+        if (i0 + u * n < n4) {
+          reinterpret_cast<float4*>(raw)[i0 + u * n] = v[u];
           ss = fmaf(v[u].x, v[u].x, fmaf(v[u].y, v[u].y, fmaf(v[u].z, v[u].z, fmaf(v[u].w, v[u].w, ss))));
         }
     }
   } else {
-    for (int i = tid; i < cols; i += nthr) {
+    for (int i = t; i < cols; i += n) {
       const float v = p.x[i];
       raw[i] = v;
       ss = fmaf(v, v, ss);
     }
   }
+  return ss;
+}
+
+// Staging, second half (all threads): the prologue's norms, the staged
+// (swizzled) input and, for affine formats, the per-chunk sums.
+template <QFmt F>
+__device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSmem& L, float ss) {
+  using CF = ChunkFmt<F>;
+  __shared__ float scratch[32];
+  const int tid = threadIdx.x, nthr = blockDim.x;
+  const int cols = p.cols;
+  float* raw = smem + L.raw;
+  float* seginv = smem + L.seginv;
   if (p.pro != Prologue::None) {
     const int seg = p.seg, nseg = cols / seg;
     if (nseg == 1) {
@@ -144,59 +153,66 @@ __device__ void stage_input(const MatvecParams& p, float* smem, const MatvecSmem
   }
 }
 
-// Softmax, top-k, renormalisation over the router logits; run by the last
-// block of the router launch. Ties go to the lower expert index (the CPU
-// reference sorts by probability, then index).
-__device__ void router_finish(const RouterFinish& r, float* sm) {
-  const int tid = threadIdx.x, nthr = blockDim.x;
-  const int E = r.experts, k = r.k;
-  float* p = sm;                 // [E]
-  float* top_p = sm + E;         // [k]
-  int* top_i = reinterpret_cast<int*>(sm + E + k);  // [k]
-  __shared__ float scratch[32];
+// MoE routing by one warp (see RouteSpec); lane l holds experts l + 32 i,
+// i < V. Probabilities as the CPU computes them (max, expf(l - max), sum,
+// divide); top-k by k rounds of warp arg-max over (probability, lower index),
+// keyed as float bits + 1 (probabilities are >= 0, so the bits order them;
+// 0 marks an empty or taken slot); the renormalising sum in rank order, as
+// the CPU adds it. Lane j < k ends with slot j. The expert ids go to shared
+// memory (s_idx); block 0 writes ids and weights to global memory.
+template <int V>
+__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx) {
+  const int lane = threadIdx.x & 31, E = r.experts, k = r.k;
+  const float g = r.shared_gate_logit ? __ldcg(r.shared_gate_logit) : 0.f;
+  float v[V];
   float mx = -INFINITY;
-  for (int e = tid; e < E; e += nthr) {
-    p[e] = __ldcg(r.logits + e);
-    mx = fmaxf(mx, p[e]);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? __ldcg(r.logits + e) : -INFINITY;
+    mx = fmaxf(mx, v[i]);
   }
-  mx = block_max(mx, scratch);
+  mx = warp_max(mx);
   float sum = 0.f;
-  for (int e = tid; e < E; e += nthr) {
-    p[e] = expf(p[e] - mx);
-    sum += p[e];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
+    sum += v[i];
   }
-  sum = block_sum(sum, scratch);
-  for (int e = tid; e < E; e += nthr) p[e] /= sum;
-  __syncthreads();
-  for (int e = tid; e < E; e += nthr) {
-    const float v = p[e];
-    int rank = 0;
-    int o = 0;
-    for (; o + 4 <= E; o += 4) {
-      const float4 u = *reinterpret_cast<const float4*>(p + o);
-      rank += (u.x > v) || (u.x == v && o < e);
-      rank += (u.y > v) || (u.y == v && o + 1 < e);
-      rank += (u.z > v) || (u.z == v && o + 2 < e);
-      rank += (u.w > v) || (u.w == v && o + 3 < e);
-    }
-    for (; o < E; ++o) {
-      const float u = p[o];
-      rank += (u > v) || (u == v && o < e);
-    }
-    if (rank < k) {
-      top_p[rank] = v;
-      top_i[rank] = e;
+  sum = warp_sum(sum);  // xor butterfly: the same value in every lane
+  unsigned key[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) key[i] = lane + 32 * i < E ? __float_as_uint(v[i] / sum) + 1u : 0u;
+  int my_e = 0;
+  float my_p = 0.f;
+  for (int j = 0; j < k; ++j) {
+    unsigned best = 0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) best = max(best, key[i]);
+    const unsigned m = __reduce_max_sync(0xffffffffu, best);
+    unsigned cand = 0xffffffffu;  // the lane's lowest expert with key m
+#pragma unroll
+    for (int i = V - 1; i >= 0; --i)
+      if (key[i] == m) cand = lane + 32 * i;
+    const unsigned ew = __reduce_min_sync(0xffffffffu, cand);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (lane + 32 * i == static_cast<int>(ew)) key[i] = 0u;
+    if (lane == j) {
+      my_e = static_cast<int>(ew);
+      my_p = __uint_as_float(m - 1u);
     }
   }
-  __syncthreads();
-  if (tid == 0) {
-    float top = 0.f;
-    for (int j = 0; j < k; ++j) top += top_p[j];
-    for (int j = 0; j < k; ++j) {
-      r.sel_idx[j] = top_i[j];
-      r.sel_w[j] = r.norm_topk ? top_p[j] / top : top_p[j];
+  float top = 0.f;
+  for (int j = 0; j < k; ++j) top += __shfl_sync(0xffffffffu, my_p, j);
+  const float w = r.norm_topk ? my_p / top : my_p;
+  if (lane < k) s_idx[lane] = my_e;
+  if (blockIdx.x == 0) {  // for the down projection
+    if (lane < k) {
+      r.sel_idx[lane] = my_e;
+      r.sel_w[lane] = w;
     }
-    if (r.shared_gate_logit) r.sel_w[k] = sigmoid(__ldcg(r.shared_gate_logit));
+    if (r.shared_gate_logit && lane == k) r.sel_w[k] = sigmoid(g);
   }
 }
 
@@ -219,7 +235,7 @@ __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base)
 }
 
 template <bool kAffine>
-__device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int warp) {
+__device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int warp, const int* sel) {
   int base;
   const int j = tile_job(p, t, &base);
   const MatvecJob& J = p.jobs[j];
@@ -231,8 +247,8 @@ __device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int 
   const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
   const uint4* wb = J.w;
   const uint32_t* sb = J.sb;
-  if (J.expert) {
-    const long long e = *J.expert;
+  if (J.slot >= 0) {
+    const long long e = sel[J.slot];
     wb += e * J.w_expert_stride;
     if (kAffine) sb += e * J.sb_expert_stride;
   }
@@ -291,7 +307,9 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
   }
 }
 
-template <QFmt F>
+// Route: the launch has a route prologue (a separate instantiation, so the
+// other matvecs keep their registers).
+template <QFmt F, bool Route>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -310,39 +328,51 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   // predecessor kernel has even finished (weights do not depend on it).
   const int niter = (chunks + 63) / 64;
   const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
+  __shared__ int s_sel_idx[32];  // the route prologue's expert ids
   ItemRegs cur, nxt;
   TileRows tr_cur, tr_nxt;
-  bool first_loaded = false;
-  if (nq > 0) {
-    int base;
-    if (!p.jobs[tile_job(p, t_begin, &base)].expert) {
-      tr_cur = tile_rows<CF::affine>(p, t_begin, warp);
-      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
-      first_loaded = true;
-    }
-    // And the block's second tile into L2.
-    if (t_begin + 1 < t_end) {
-      const int j = tile_job(p, t_begin + 1, &base);
-      const MatvecJob& J = p.jobs[j];
-      if (!J.expert) {
-        const int r0 = (t_begin + 1 - base) * kRowsPerTile;
-        const int nrows = min(kRowsPerTile, J.rows - r0);
-        const int lines_per_row = (chunks * 16 + 127) / 128;
-        for (int i = tid; i < nrows * lines_per_row; i += blockDim.x) {
-          const int r = r0 + i / lines_per_row, l = i % lines_per_row;
-          prefetch_l2(reinterpret_cast<const char*>(J.w + size_t(r) * chunks) + l * 128);
-        }
+  int base;
+  const bool first_routed = nq > 0 && p.jobs[tile_job(p, t_begin, &base)].slot >= 0;
+  if (nq > 0 && !first_routed) {
+    tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
+    load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+  }
+  // And the block's second tile into L2 (not a routed one: measured, that
+  // costs more than it saves once the expert is known).
+  if (t_begin + 1 < t_end) {
+    const MatvecJob& J = p.jobs[tile_job(p, t_begin + 1, &base)];
+    if (J.slot < 0) {
+      const int r0 = (t_begin + 1 - base) * kRowsPerTile;
+      const int nrows = min(kRowsPerTile, J.rows - r0);
+      const int lines_per_row = (chunks * 16 + 127) / 128;
+      for (int i = tid; i < nrows * lines_per_row; i += blockDim.x) {
+        const int r = r0 + i / lines_per_row, l = i % lines_per_row;
+        prefetch_l2(reinterpret_cast<const char*>(J.w + size_t(r) * chunks) + l * 128);
       }
     }
   }
   pdl_wait();
   pdl_launch_dependents();
-  if (nq > 0 && !first_loaded) {
-    tr_cur = tile_rows<CF::affine>(p, t_begin, warp);
-    load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+  // x is loaded while warp 0 routes; the routed tiles' loads go out as soon
+  // as the selection is in shared memory, before the rest of the staging.
+  float ss;
+  if constexpr (Route) {
+    if (warp == 0) {
+      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx);
+      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx);
+      ss = 0.f;
+    } else {
+      ss = stage_load(p, smem + L.raw, tid - 32, blockDim.x - 32);
+    }
+    __syncthreads();
+    if (first_routed) {
+      tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
+      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+    }
+  } else {
+    ss = stage_load(p, smem + L.raw, tid, blockDim.x);
   }
-
-  stage_input<F>(p, smem, L);
+  stage_finish<F>(p, smem, L, ss);
   const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
   const float* xsum = smem + L.xsum;
 
@@ -353,7 +383,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     const int tl = q / niter, k = q - tl * niter;
     if (q + 1 < nq) {
       const int tl1 = (q + 1) / niter, k1 = q + 1 - tl1 * niter;
-      tr_nxt = k1 == 0 ? tile_rows<CF::affine>(p, t_begin + tl1, warp) : tr_cur;
+      tr_nxt = k1 == 0 ? tile_rows<CF::affine>(p, t_begin + tl1, warp, s_sel_idx) : tr_cur;
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, p.chunks_per_group, nxt);
     }
     if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
@@ -415,25 +445,23 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     __syncthreads();
     if (s_last) {
       __threadfence();
-      if (p.fin == Finish::RouterTopK) {
-        router_finish(p.router, smem);
-      } else if (tid == 0) {
+      if (tid == 0) {
         p.ctrl->pos += 1;
+        *p.counter = 0;
       }
-      if (tid == 0) *p.counter = 0;
     }
   }
 }
 
-// MinBlocks 0: no register cap (about 95 registers for q4: 2 blocks per SM);
-// 3: capped at 85 registers for 3 blocks per SM (a few bytes of spills).
-template <QFmt F, int MinBlocks>
+// No register cap (about 95 registers for q4: 2 blocks per SM); _3: capped
+// at 85 registers for 3 blocks per SM (a few bytes of spills).
+template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
-  matvec_body<F>(p);
+  matvec_body<F, Route>(p);
 }
-template <QFmt F>
+template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
-  matvec_body<F>(p);
+  matvec_body<F, Route>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
@@ -606,9 +634,7 @@ template <typename Kernel>
 void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_t s, bool pdl) {
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
   const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(fmt), p.cols, nseg);
-  size_t smem = size_t(L.total) * 4;
-  if (p.fin == Finish::RouterTopK)
-    smem = std::max(smem, size_t(p.router.experts + 2 * p.router.k + 4) * 4);
+  const size_t smem = size_t(L.total) * 4;
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
@@ -618,16 +644,21 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
 }
 
-template <QFmt F>
-void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
+template <QFmt F, bool Route>
+void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
-    allow_big_smem(matvec_kernel<F, 0>);
-    allow_big_smem(matvec_kernel_3<F>);
+    allow_big_smem(matvec_kernel<F, Route>);
+    allow_big_smem(matvec_kernel_3<F, Route>);
     return true;
   }();
   (void)init;
-  if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F>, F, p, s, pdl);
-  else launch_matvec_k(matvec_kernel<F, 0>, F, p, s, pdl);
+  if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
+  else launch_matvec_k(matvec_kernel<F, Route>, F, p, s, pdl);
+}
+template <QFmt F>
+void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  if (p.route.logits) launch_matvec_r<F, true>(p, s, pdl);
+  else launch_matvec_r<F, false>(p, s, pdl);
 }
 
 template <QFmt F>
@@ -654,6 +685,14 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
     fail("matvec: norm segment ", p.seg, " does not divide ", p.cols, " inputs");
   if (p.fin != Finish::None && !p.counter) fail("matvec: a finishing launch needs a counter");
+  const RouteSpec& r = p.route;
+  if (r.logits &&
+      (r.k < 1 || r.k > 31 || r.experts < r.k || r.experts > kMaxRouteExperts || !r.sel_idx || !r.sel_w))
+    fail("matvec: route over ", r.experts, " experts, top ", r.k, " (1 <= k < 32, k <= experts <= ",
+         kMaxRouteExperts, ", outputs set)");
+  for (int j = 0; j < p.njobs; ++j)
+    if (p.jobs[j].slot >= 0 && (!r.logits || p.jobs[j].slot >= r.k))
+      fail("matvec: job ", j, " takes routed slot ", p.jobs[j].slot, " of ", r.logits ? r.k : 0);
   switch (p.fmt) {
     case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
