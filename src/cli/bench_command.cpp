@@ -183,10 +183,10 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     constexpr double kFlopCeiling = 790e12;  // dense bf16 matrix product measured on an H200 (KINDS.md)
     j["prefill_path"] = b->prefill_enabled() ? "tensor-core prefill kernels"
                                               : "decode steps (" + b->prefill_disabled_reason() + ")";
-    j["prefill_chunk"] = opt.prefill_chunk;
+    j["prefill_chunk"] = b->prefill_chunk();
     j["flop_ceiling"] = kFlopCeiling;
     std::printf("\nprefill (%s, chunks of %d tokens), random prompt into an empty cache:\n",
-                j["prefill_path"].get<std::string>().c_str(), opt.prefill_chunk);
+                j["prefill_path"].get<std::string>().c_str(), b->prefill_chunk());
     std::printf("%8s %12s %10s %9s %8s %9s\n", "prompt", "prefill t/s", "TTFT ms", "TFLOP/s", "%floor", "peak GiB");
     std::mt19937 rng(static_cast<uint32_t>(s.seed));
     std::vector<float> logits(c.vocab_size);

@@ -30,7 +30,7 @@ struct CudaOptions {
   int max_splits = 128;  // context splits of the attention kernel
   uint64_t seed = 1;     // synthetic weights
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
-  int prefill_chunk = 4096;  // tokens per prefill pass (bounds the workspace)
+  int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n.
@@ -65,6 +65,9 @@ class CudaBackend : public Backend {
   // Whether runs of several tokens use the prefill kernels, and if not why.
   bool prefill_enabled() const;
   std::string prefill_disabled_reason() const;
+  // Tokens per prefill pass (CudaOptions::prefill_chunk, or the size chosen
+  // from the free device memory when that is 0).
+  int prefill_chunk() const;
   // Elapsed device time of `n` decode_steps, measured with events.
   double time_decode_ms(SequenceCache& cache, int n, int first_token);
   // One decode step launch by launch (no graph), timed per kernel with events.
