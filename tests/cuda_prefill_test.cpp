@@ -215,10 +215,14 @@ std::vector<float> ref_matmul(const std::vector<float>& w, int N, int K, const s
 constexpr double kTolExact = 1e-4;
 constexpr double kTolQuant = 5e-3;
 
+// expand: a scratch with min_rows 1, so quantized weights go through the
+// expansion to bf16 first (PrefillScratch).
 void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_kind, bool sb_f16,
-                   uint64_t seed) {
+                   uint64_t seed, bool expand = false) {
   SCOPED_TRACE(::testing::Message() << "fmt " << int(fmt) << " T " << T << " N " << N << " K " << K
-                                    << " out " << int(out_kind) << " f16 " << sb_f16);
+                                    << " out " << int(out_kind) << " f16 " << sb_f16 << " expand " << expand);
+  Dev scr(expand ? size_t(N) * K * 2 : 16);
+  const PrefillScratch sc{expand ? scr.p : nullptr, scr.bytes, 1};
   Rng r(seed);
   HostWeight hw = make_weight(r, fmt, N, K, sb_f16);
   const size_t ldx = K + 8;  // a padded stride
@@ -236,7 +240,7 @@ void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_
   if (out_kind == PrefillOut::BF16) {
     std::vector<uint16_t> init(size_t(T) * ldy, 0x7FC0);  // NaN poison
     Dev y = upload(init);
-    prefill_gemm(dw.view, x.as<uint16_t>(), T, ldx, y.p, ldy, out_kind, nullptr);
+    prefill_gemm(dw.view, x.as<uint16_t>(), T, ldx, y.p, ldy, out_kind, nullptr, sc);
     auto h = download<uint16_t>(y, init.size());
     for (int t = 0; t < T; ++t)
       for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = bf16_to_f32(h[size_t(t) * ldy + n]);
@@ -247,7 +251,7 @@ void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_
     std::vector<float> init(size_t(T) * ldy);
     for (auto& v : init) v = out_kind == PrefillOut::F32Add ? r.uniform(-1, 1) : NAN;
     Dev y = upload(init);
-    prefill_gemm(dw.view, x.as<uint16_t>(), T, ldx, y.p, ldy, out_kind, nullptr);
+    prefill_gemm(dw.view, x.as<uint16_t>(), T, ldx, y.p, ldy, out_kind, nullptr, sc);
     auto h = download<float>(y, init.size());
     for (int t = 0; t < T; ++t)
       for (int n = 0; n < N; ++n) {
@@ -260,8 +264,8 @@ void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_
   if (out_kind == PrefillOut::BF16) tol += 4e-3;  // output rounding, 2^-9 relative
   if (out_kind == PrefillOut::F32Add) tol += 1e-5;
   const double e = rel_err(got, ref);
-  std::printf("  gemm fmt=%d T=%d N=%d K=%d out=%d f16=%d: rel err %.3g\n", int(fmt), T, N, K,
-              int(out_kind), int(sb_f16), e);
+  std::printf("  gemm fmt=%d T=%d N=%d K=%d out=%d f16=%d expand=%d: rel err %.3g\n", int(fmt), T, N, K,
+              int(out_kind), int(sb_f16), int(expand), e);
   EXPECT_LT(e, tol);
 }
 
@@ -337,8 +341,24 @@ TEST(CudaPrefillGemm, SwigluInterleavedRows) {
   Dev h(size_t(T) * N * 2);
   prefill_gemm_swiglu(g, u, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
   const double e = rel_err(bf16_vec_to_f32(download<uint16_t>(h, size_t(T) * N)), ref);
-  std::printf("  swiglu interleaved: rel err %.3g\n", e);
+  // The same through the expansion to bf16 (strided rows read correctly).
+  Dev scr(size_t(2) * N * K * 2);
+  Dev h2(size_t(T) * N * 2);
+  prefill_gemm_swiglu(g, u, x.as<uint16_t>(), T, K, h2.as<uint16_t>(), N, nullptr, PrefillScratch{scr.p, scr.bytes, 1});
+  const auto a1 = download<uint16_t>(h, size_t(T) * N), a2 = download<uint16_t>(h2, size_t(T) * N);
+  std::printf("  swiglu interleaved: rel err %.3g, expanded bf16 path identical: %d\n", e, int(a1 == a2));
   EXPECT_LT(e, 1e-2);
+  EXPECT_TRUE(a1 == a2) << "the expanded-weight path must give the same bf16 outputs";
+}
+
+// Quantized weights expanded to bf16 once (PrefillScratch) give what the
+// tile-wise expansion gives: the same bf16 weights, the same kernel.
+TEST(CudaPrefillGemm, ExpandedWeightsMatchCpu) {
+  REQUIRE_GPU();
+  run_gemm_case(PrefillWeightFormat::Q4, 150, 200, 320, PrefillOut::F32, false, 71, true);
+  run_gemm_case(PrefillWeightFormat::Q4, 33, 136, 192, PrefillOut::F32Add, true, 72, true);
+  run_gemm_case(PrefillWeightFormat::Q8, 129, 264, 256, PrefillOut::BF16, false, 73, true);
+  run_gemm_case(PrefillWeightFormat::BF16, 77, 200, 128, PrefillOut::F32, false, 74, true);  // bf16: no expansion
 }
 
 TEST(CudaPrefillGemm, RejectsBadShapes) {
@@ -1006,9 +1026,17 @@ TEST(CudaPrefillBench, Gemm) {
       BenchWeight w = bench_weight(fmt, s.N, s.K, 7);
       const double ms = time_ms([&] { prefill_gemm(w.view, x.as<uint16_t>(), T, s.K, y.p, s.N, PrefillOut::F32, nullptr); });
       const double tf = 2.0 * T * s.N * s.K / (ms * 1e-3) / 1e12;
-      std::printf("| %s | %d x %d | %s | %d | %.3f | %.0f | %.0f%% |\n",
-                  fmt == PrefillWeightFormat::Q4 ? "q4" : fmt == PrefillWeightFormat::Q8 ? "q8" : "bf16",
-                  s.N, s.K, s.what, T, ms, tf, 100 * tf / 790);
+      const char* fname = fmt == PrefillWeightFormat::Q4 ? "q4" : fmt == PrefillWeightFormat::Q8 ? "q8" : "bf16";
+      std::printf("| %s | %d x %d | %s | %d | %.3f | %.0f | %.0f%% |\n", fname, s.N, s.K, s.what, T, ms, tf,
+                  100 * tf / 790);
+      if (fmt != PrefillWeightFormat::BF16 && s.N < 100000) {  // expanded to bf16 first (the backend's path)
+        Dev scr(size_t(s.N) * s.K * 2);
+        const PrefillScratch sc{scr.p, scr.bytes};
+        const double me = time_ms([&] { prefill_gemm(w.view, x.as<uint16_t>(), T, s.K, y.p, s.N, PrefillOut::F32, nullptr, sc); });
+        const double te = 2.0 * T * s.N * s.K / (me * 1e-3) / 1e12;
+        std::printf("| %s expanded | %d x %d | %s | %d | %.3f | %.0f | %.0f%% |\n", fname, s.N, s.K, s.what, T, me, te,
+                    100 * te / 790);
+      }
     }
   // Row-count sweep for the dispatch table: weight bytes streamed per ms.
   std::printf("\n| rows T | q4 4096x2048 ms | weight GB/s | TFLOP/s | bf16 ms | bf16 GB/s |\n|---|---|---|---|---|---|\n");

@@ -183,6 +183,11 @@ struct CudaBackend::Impl {
   // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
   // pTok holds a whole forward's token ids.
   DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSgl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  // Quantized dense weights expanded to bf16 for chunks of >= 1024 tokens
+  // (PrefillScratch): room for the largest one (a SwiGLU pair counts twice).
+  DeviceBuffer pWx;
+  size_t p_wx_bytes = 0;
+  PrefillScratch p_scr;
   int p_rows = 0, auto_chunk = 0;
   size_t p_ld_act = 0, p_ld_proj = 0, p_ld_qg = 0;
   static constexpr int kLogitRows = 256;  // LogitsMode::All: rows of logits per lm_head GEMM
@@ -765,6 +770,17 @@ struct CudaBackend::Impl {
       if (!ok) return no(why);
     }
     pl = std::move(views);
+    p_wx_bytes = 0;
+    auto need = [&](const PrefillWeight& w, size_t n) {
+      if (w.w && w.fmt != PrefillWeightFormat::BF16) p_wx_bytes = std::max(p_wx_bytes, n * w.rows * w.cols * 2);
+    };
+    for (const PrefillLayer& W : pl) {
+      for (const PrefillWeight* w : {&W.q, &W.k, &W.v, &W.o, &W.in_qkv, &W.in_z, &W.in_b, &W.in_a, &W.out,
+                                     &W.mlp_down, &W.router, &W.shared_gate, &W.sh_down})
+        need(*w, 1);
+      need(W.mlp_gate, 2);
+      need(W.sh_gate, 2);
+    }
     std::string lm_why;
     lm_gemm_ok = prefill_view(lm_head->v, 1, 0, "lm_head", pw_lm, lm_why);
     prefill_ok = true;
@@ -776,8 +792,8 @@ struct CudaBackend::Impl {
   struct PrefillSizes {
     size_t ld_act = 0, ld_proj = 0, ld_qg = 0;
     size_t x = 0, xn = 0, act = 0, proj = 0, qg = 0, dn = 0, dn_ws = 0, rl = 0, sgl = 0, so = 0, moe_ws = 0,
-           logits = 0;
-    size_t total() const { return x + xn + act + proj + qg + dn + dn_ws + rl + sgl + so + moe_ws + logits; }
+           logits = 0, wx = 0;
+    size_t total() const { return x + xn + act + proj + qg + dn + dn_ws + rl + sgl + so + moe_ws + logits + wx; }
   };
   PrefillSizes prefill_sizes(int rows) const {
     PrefillSizes z;
@@ -813,6 +829,7 @@ struct CudaBackend::Impl {
                                              c.moe_intermediate_size);
     }
     z.logits = size_t(std::min(rows, int(kLogitRows))) * c.vocab_size * 4;
+    z.wx = rows >= PrefillScratch{}.min_rows ? p_wx_bytes : 0;
     return z;
   }
 
@@ -840,6 +857,9 @@ struct CudaBackend::Impl {
       pMoeWs.alloc(z.moe_ws);
     }
     pLogits.alloc(z.logits);
+    if (z.wx > pWx.bytes()) pWx.alloc(z.wx);
+    p_scr.p = pWx.get();
+    p_scr.bytes = pWx.bytes();
     p_rows = rows;
   }
 
@@ -882,10 +902,10 @@ struct CudaBackend::Impl {
       prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
-        prefill_gemm(W.in_qkv, Xn, T, H, Pj, ldp, PrefillOut::F32, s);
-        prefill_gemm(W.in_z, Xn, T, H, Pj + C, ldp, PrefillOut::F32, s);
-        prefill_gemm(W.in_b, Xn, T, H, Pj + C + V, ldp, PrefillOut::F32, s);
-        prefill_gemm(W.in_a, Xn, T, H, Pj + C + V + nv, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.in_qkv, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        prefill_gemm(W.in_z, Xn, T, H, Pj + C, ldp, PrefillOut::F32, s, p_scr);
+        prefill_gemm(W.in_b, Xn, T, H, Pj + C + V, ldp, PrefillOut::F32, s, p_scr);
+        prefill_gemm(W.in_a, Xn, T, H, Pj + C + V + nv, ldp, PrefillOut::F32, s, p_scr);
         PrefillDeltaNetArgs a;
         a.T = T;
         a.first_position = P;
@@ -911,13 +931,13 @@ struct CudaBackend::Impl {
         prefill_deltanet(a, s);
         prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
                               c.linear_value_head_dim, eps, A, lda, s);
-        prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s);
+        prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
       } else {
         const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
         const int qdim = c.num_heads * qhs, kvdim = c.num_kv_heads * hd;
-        prefill_gemm(W.q, Xn, T, H, Pj, ldp, PrefillOut::F32, s);
-        prefill_gemm(W.k, Xn, T, H, Pj + qdim, ldp, PrefillOut::F32, s);
-        prefill_gemm(W.v, Xn, T, H, Pj + qdim + kvdim, ldp, PrefillOut::F32, s);
+        prefill_gemm(W.q, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        prefill_gemm(W.k, Xn, T, H, Pj + qdim, ldp, PrefillOut::F32, s, p_scr);
+        prefill_gemm(W.v, Xn, T, H, Pj + qdim + kvdim, ldp, PrefillOut::F32, s, p_scr);
         AttnPrepParams ap;
         ap.proj = Pj;
         ap.ld_proj = ldp;
@@ -954,16 +974,16 @@ struct CudaBackend::Impl {
         aa.out = A;
         aa.out_row_stride = lda;
         prefill_attention(aa, s);
-        prefill_gemm(W.o, A, T, lda, X, H, PrefillOut::F32Add, s);
+        prefill_gemm(W.o, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
       }
       prefill_rmsnorm(X, H, D.post_norm.as<float>(), T, H, eps, Xn, H, s);
       if (!D.is_moe) {
-        prefill_gemm_swiglu(W.mlp_gate, W.mlp_up, Xn, T, H, A, lda, s);
-        prefill_gemm(W.mlp_down, A, T, lda, X, H, PrefillOut::F32Add, s);
+        prefill_gemm_swiglu(W.mlp_gate, W.mlp_up, Xn, T, H, A, lda, s, p_scr);
+        prefill_gemm(W.mlp_down, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
         continue;
       }
       const int E = c.num_experts;
-      prefill_gemm(W.router, Xn, T, H, pRl.as<float>(), E, PrefillOut::F32, s);
+      prefill_gemm(W.router, Xn, T, H, pRl.as<float>(), E, PrefillOut::F32, s, p_scr);
       PrefillMoeArgs m;
       m.T = T;
       m.E = E;
@@ -979,9 +999,9 @@ struct CudaBackend::Impl {
       m.up = W.ex_up;
       m.down = W.ex_down;
       if (D.has_shared) {
-        prefill_gemm(W.shared_gate, Xn, T, H, pSgl.as<float>(), 1, PrefillOut::F32, s);
-        prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s);
-        prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s);
+        prefill_gemm(W.shared_gate, Xn, T, H, pSgl.as<float>(), 1, PrefillOut::F32, s, p_scr);
+        prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s, p_scr);
+        prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s, p_scr);
         m.shared_out = pSo.as<float>();
         m.ld_shared = H;
         m.shared_gate_logit = pSgl.as<float>();

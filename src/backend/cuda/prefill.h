@@ -54,14 +54,25 @@ enum class PrefillOut : int {
   F32Add = 1,  // y (float) += result (residual add)
   BF16 = 2,    // y (bf16) = result
 };
-// x: bf16 [T][ldx]. Tensor cores (mma.sync bf16, f32 accumulation); quantized
-// weight tiles are dequantized into shared memory once per block and reused
-// across up to 128 token rows.
+// Optional scratch for quantized weights: with T >= min_rows and room for the
+// weight in bf16 (rows x cols x 2 bytes; SwiGLU: both matrices), the weight is
+// first expanded to bf16 in one pass and the bf16 GEMM runs on it, instead of
+// every 128-row tile expanding the same weight tiles again (T / 128 times).
+// The values are the same (the same f32 FMA, rounded to bf16).
+struct PrefillScratch {
+  void* p = nullptr;
+  size_t bytes = 0;
+  int min_rows = 1024;
+};
+// x: bf16 [T][ldx]. Tensor cores (wgmma for 128-row tiles, mma.sync for 64,
+// bf16 in, f32 accumulation); quantized weight tiles are dequantized into
+// shared memory once per block and reused across up to 128 token rows.
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
-                  size_t ldy, PrefillOut out, cudaStream_t stream);
+                  size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch = {});
 // h[T][N] (bf16) = silu(x . gate^T) * (x . up^T); gate and up both [N][K].
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
-                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream);
+                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,
+                         const PrefillScratch& scratch = {});
 
 // ---- routed MoE ----------------------------------------------------------------
 // Routing: softmax over E expert logits (f32), top-k (ties to the lower index),

@@ -435,6 +435,60 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
   }
 }
 
+// w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
+// the same FMA as dequant_tile.
+template <int F>
+__global__ void expand_kernel(const uint8_t* w, size_t row_stride, const uint32_t* sb, size_t sb_row_stride,
+                              int sb_f16, int rows, int cols, uint16_t* out) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int gpr = cols / 8;
+  if (i >= static_cast<long long>(rows) * gpr) return;
+  const int n = static_cast<int>(i / gpr), k = static_cast<int>(i % gpr) * 8;
+  const float2 s = scale_bias(sb[size_t(n) * sb_row_stride + k / 64], sb_f16);
+  float v[8];
+  if constexpr (F == kQ4) {
+    const uint32_t c = *reinterpret_cast<const uint32_t*>(w + size_t(n) * row_stride + k / 2);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = float((c >> (4 * j)) & 15u);
+  } else {
+    const uint2 c = *reinterpret_cast<const uint2*>(w + size_t(n) * row_stride + k);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = float(((j < 4 ? c.x : c.y) >> (8 * (j & 3))) & 255u);
+  }
+  uint4 o;
+  o.x = pack_bf16x2(fmaf(v[0], s.x, s.y), fmaf(v[1], s.x, s.y));
+  o.y = pack_bf16x2(fmaf(v[2], s.x, s.y), fmaf(v[3], s.x, s.y));
+  o.z = pack_bf16x2(fmaf(v[4], s.x, s.y), fmaf(v[5], s.x, s.y));
+  o.w = pack_bf16x2(fmaf(v[6], s.x, s.y), fmaf(v[7], s.x, s.y));
+  *reinterpret_cast<uint4*>(out + size_t(n) * cols + k) = o;
+}
+
+// A bf16 view of `w` expanded into dst (rows x cols x 2 bytes).
+PrefillWeight expand_bf16(const PrefillWeight& w, uint16_t* dst, cudaStream_t stream) {
+  const int bits = w.fmt == PrefillWeightFormat::Q4 ? 4 : 8;
+  const size_t rs = w.row_stride_bytes ? w.row_stride_bytes : size_t(w.cols) * bits / 8;
+  const size_t ss = w.sb_row_stride_words ? w.sb_row_stride_words : size_t(w.cols) / 64;
+  const long long n = static_cast<long long>(w.rows) * (w.cols / 8);
+  const unsigned blocks = static_cast<unsigned>((n + 255) / 256);
+  if (w.fmt == PrefillWeightFormat::Q4)
+    expand_kernel<kQ4><<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(w.w), rs, w.sb, ss, w.sb_f16 ? 1 : 0,
+                                                  w.rows, w.cols, dst);
+  else
+    expand_kernel<kQ8><<<blocks, 256, 0, stream>>>(static_cast<const uint8_t*>(w.w), rs, w.sb, ss, w.sb_f16 ? 1 : 0,
+                                                  w.rows, w.cols, dst);
+  check_launch("expand_kernel");
+  PrefillWeight b;
+  b.fmt = PrefillWeightFormat::BF16;
+  b.rows = w.rows;
+  b.cols = w.cols;
+  b.w = dst;
+  return b;
+}
+bool expand_pays(const PrefillWeight& w, int T, const PrefillScratch& sc, int matrices) {
+  return w.fmt != PrefillWeightFormat::BF16 && sc.p && T >= sc.min_rows &&
+         sc.bytes >= size_t(matrices) * w.rows * w.cols * 2;
+}
+
 int sm_count() {
   static const int n = [] {
     int dev = 0, v = 0;
@@ -654,12 +708,14 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 }  // namespace
 
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
-                  size_t ldy, PrefillOut out, cudaStream_t stream) {
+                  size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
   validate_weight(w, "prefill_gemm");
   validate_x(x, ldx, w.cols, "prefill_gemm");
   if (T <= 0) return;
   if (!y) fail("prefill_gemm: output pointer is null");
   if (ldy < size_t(w.rows)) fail("prefill_gemm: output row stride ", ldy, " is below N = ", w.rows);
+  if (expand_pays(w, T, scratch, 1))
+    return prefill_gemm(expand_bf16(w, static_cast<uint16_t*>(scratch.p), stream), x, T, ldx, y, ldy, out, stream);
   GemmParams p = base_params(w);
   p.x = x;
   p.ldx = ldx;
@@ -688,7 +744,8 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
 }
 
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
-                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream) {
+                         int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,
+                         const PrefillScratch& scratch) {
   validate_weight(gate, "prefill_gemm_swiglu (gate)");
   validate_weight(up, "prefill_gemm_swiglu (up)");
   if (gate.rows != up.rows || gate.cols != up.cols || gate.fmt != up.fmt || gate.sb_f16 != up.sb_f16 ||
@@ -697,6 +754,12 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
   if (!h) fail("prefill_gemm_swiglu: output pointer is null");
+  if (expand_pays(gate, T, scratch, 2)) {
+    uint16_t* d = static_cast<uint16_t*>(scratch.p);
+    const PrefillWeight g = expand_bf16(gate, d, stream);
+    const PrefillWeight u = expand_bf16(up, d + size_t(gate.rows) * gate.cols, stream);
+    return prefill_gemm_swiglu(g, u, x, T, ldx, h, ldh, stream);
+  }
   GemmParams p = base_params(gate);
   p.w2 = static_cast<const uint8_t*>(up.w);
   p.sb2 = up.sb;
