@@ -121,18 +121,32 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
   }
 }
 
+// E experts' gate and up (I x H, q4 g64), uploaded as the backend does: one
+// stack with each expert's gate and up rows interleaved.
+struct ExpertStack {
+  std::vector<test::HostMatrix> gates, ups;
+  cuda::DevMat stack;
+};
+ExpertStack random_expert_stack(int E, int I, int H, std::mt19937& rng, uint64_t seed) {
+  ExpertStack s;
+  for (int e = 0; e < E; ++e) {
+    s.gates.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+    s.ups.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
+  }
+  cuda::MatPacker pk(s.gates[0].m, 2 * I * E);
+  for (int e = 0; e < E; ++e) pk.add_interleaved(s.gates[e].m, s.ups[e].m);
+  s.stack = pk.finish(seed);
+  return s;
+}
+
 TEST(CudaMatvec, AddAndSwiGlu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(11);
   const int E = 5, I = 45, H = 320;
-  std::vector<test::HostMatrix> gates, ups;
-  for (int e = 0; e < E; ++e) {
-    gates.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
-    ups.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
-  }
-  cuda::MatPacker pk(gates[0].m, 2 * I * E);
-  for (int e = 0; e < E; ++e) pk.add_interleaved(gates[e].m, ups[e].m);
-  auto stack = pk.finish(1);
+  ExpertStack es = random_expert_stack(E, I, H, rng, 1);
+  const auto& gates = es.gates;
+  const auto& ups = es.ups;
+  const auto& stack = es.stack;
   const auto x = random_vec(H, rng);
   auto dx = to_device(x);
   // SwiGLU over two experts of the interleaved stack (offsets from the host).
@@ -199,14 +213,10 @@ TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
     auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
     auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
     auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
-    std::vector<test::HostMatrix> gates, ups;
-    for (int e = 0; e < E; ++e) {
-      gates.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
-      ups.push_back(random_matrix(WeightFormat::Affine4, I, H, 64, DType::BF16, rng));
-    }
-    cuda::MatPacker pk(gates[0].m, 2 * I * E);
-    for (int e = 0; e < E; ++e) pk.add_interleaved(gates[e].m, ups[e].m);
-    auto stack = pk.finish(3);
+    ExpertStack es = random_expert_stack(E, I, H, rng, 3);
+    const auto& gates = es.gates;
+    const auto& ups = es.ups;
+    const auto& stack = es.stack;
     auto shg = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
     auto shu = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
     auto dsh = cuda::upload_interleaved(shg.m, shu.m, 4);

@@ -30,9 +30,11 @@ namespace {
 
 
 // Shared memory of a matvec block (floats): staged x, per-chunk sums, the raw
-// input (prologue scratch) and per-segment inverse RMS.
+// input (prologue scratch), per-segment inverse RMS and, with a norm
+// prologue, the norm weights per input (copied before the PDL wait: they are
+// constants, so their L2 round trip overlaps the previous kernel).
 struct MatvecSmem {
-  int xs, xsum, raw, seginv, total;
+  int xs, xsum, raw, seginv, nw, total;
 };
 __host__ __device__ inline MatvecSmem matvec_smem_layout(int chunks, int fpc, int cols, int nseg) {
   MatvecSmem l;
@@ -40,7 +42,8 @@ __host__ __device__ inline MatvecSmem matvec_smem_layout(int chunks, int fpc, in
   l.xsum = chunks * fpc;
   l.raw = l.xsum + ((chunks + 3) & ~3);
   l.seginv = l.raw + ((cols + 3) & ~3);
-  l.total = l.seginv + ((nseg + 3) & ~3);
+  l.nw = l.seginv + ((nseg + 3) & ~3);
+  l.total = l.nw + (nseg > 0 ? ((cols + 3) & ~3) : 0);
   return l;
 }
 
@@ -117,7 +120,7 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * nthr;
-        w[u] = i < cols ? p.norm_w[i % p.seg] : 0.f;
+        w[u] = i < cols ? smem[L.nw + i] : 0.f;
         z[u] = (p.gate_z && i < cols) ? p.gate_z[i] : 0.f;
       }
     }
@@ -351,6 +354,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       }
     }
   }
+  if (p.pro != Prologue::None)
+    for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
   pdl_wait();
   pdl_launch_dependents();
   // x is loaded while warp 0 routes; the routed tiles' loads go out as soon

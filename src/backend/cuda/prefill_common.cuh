@@ -19,6 +19,18 @@ inline void check(cudaError_t e, const char* what) {
 }
 inline void check_launch(const char* kernel) { check(cudaGetLastError(), kernel); }
 
+// Benchmarks: runs `run(ev)` (which records ev[0..N] around its N stages on
+// its stream), waits, and returns each stage's time in ms.
+template <int N, typename Run>
+void timed_stages(float (&ms)[N], Run&& run) {
+  cudaEvent_t ev[N + 1];
+  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
+  run(ev);
+  check(cudaEventSynchronize(ev[N]), "cudaEventSynchronize");
+  for (int i = 0; i < N; ++i) check(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "cudaEventElapsedTime");
+  for (auto& e : ev) cudaEventDestroy(e);
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -705,12 +705,7 @@ void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t
 void prefill_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream) { run_deltanet(a, stream, nullptr); }
 
 void prefill_deltanet_timed(const PrefillDeltaNetArgs& a, cudaStream_t stream, float (&ms)[4]) {
-  cudaEvent_t ev[5];
-  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
-  run_deltanet(a, stream, ev);
-  check(cudaEventSynchronize(ev[4]), "cudaEventSynchronize");
-  for (int i = 0; i < 4; ++i) check(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "cudaEventElapsedTime");
-  for (auto& e : ev) cudaEventDestroy(e);
+  timed_stages(ms, [&](cudaEvent_t* ev) { run_deltanet(a, stream, ev); });
 }
 
 void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t ld_z, const float* w,

@@ -891,12 +891,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
 void prefill_moe(const PrefillMoeArgs& a, cudaStream_t stream) { run_moe(a, stream, nullptr); }
 
 void prefill_moe_timed(const PrefillMoeArgs& a, cudaStream_t stream, float (&ms)[4]) {
-  cudaEvent_t ev[5];
-  for (auto& e : ev) check(cudaEventCreate(&e), "cudaEventCreate");
-  run_moe(a, stream, ev);
-  check(cudaEventSynchronize(ev[4]), "cudaEventSynchronize");
-  for (int i = 0; i < 4; ++i) check(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "cudaEventElapsedTime");
-  for (auto& e : ev) cudaEventDestroy(e);
+  timed_stages(ms, [&](cudaEvent_t* ev) { run_moe(a, stream, ev); });
 }
 
 }  // namespace lily::cuda
