@@ -187,7 +187,6 @@ struct CudaBackend::Impl {
   // (PrefillScratch): room for the largest one (a SwiGLU pair counts twice).
   DeviceBuffer pWx;
   size_t p_wx_bytes = 0;
-  PrefillScratch p_scr;
   int p_rows = 0, auto_chunk = 0;
   size_t p_ld_act = 0, p_ld_proj = 0, p_ld_qg = 0;
   static constexpr int kLogitRows = 256;  // LogitsMode::All: rows of logits per lm_head GEMM
@@ -858,8 +857,6 @@ struct CudaBackend::Impl {
     }
     pLogits.alloc(z.logits);
     if (z.wx > pWx.bytes()) pWx.alloc(z.wx);
-    p_scr.p = pWx.get();
-    p_scr.bytes = pWx.bytes();
     p_rows = rows;
   }
 
@@ -895,6 +892,7 @@ struct CudaBackend::Impl {
     uint16_t* A = pAct.as<uint16_t>();
     float* Pj = pProj.as<float>();
     const size_t lda = p_ld_act, ldp = p_ld_proj;
+    const PrefillScratch p_scr{pWx.get(), pWx.bytes()};  // empty below 1024-token chunks
     launch_embed_rows(embed.v, tokens, T, X, H, s);
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerDev& D = layers[l];
