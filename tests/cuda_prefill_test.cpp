@@ -216,9 +216,10 @@ constexpr double kTolExact = 1e-4;
 constexpr double kTolQuant = 5e-3;
 
 // expand: a scratch with min_rows 1, so quantized weights go through the
-// expansion to bf16 first (PrefillScratch).
+// expansion to bf16 first (PrefillScratch). ldy_pad: output row stride N +
+// ldy_pad (odd: the element-wise stores of the TMA kernel's epilogue).
 void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_kind, bool sb_f16,
-                   uint64_t seed, bool expand = false) {
+                   uint64_t seed, bool expand = false, int ldy_pad = 3) {
   SCOPED_TRACE(::testing::Message() << "fmt " << int(fmt) << " T " << T << " N " << N << " K " << K
                                     << " out " << int(out_kind) << " f16 " << sb_f16 << " expand " << expand);
   Dev scr(expand ? size_t(N) * K * 2 : 16);
@@ -235,7 +236,7 @@ void run_gemm_case(PrefillWeightFormat fmt, int T, int N, int K, PrefillOut out_
   std::vector<float> ref = ref_matmul(hw.deq, N, K, xdense, T);
   DevWeight dw = upload_weight(hw);
   Dev x = upload(xb);
-  const size_t ldy = N + 3;
+  const size_t ldy = N + ldy_pad;
   std::vector<float> got(size_t(T) * N);
   if (out_kind == PrefillOut::BF16) {
     std::vector<uint16_t> init(size_t(T) * ldy, 0x7FC0);  // NaN poison
@@ -276,6 +277,17 @@ TEST(CudaPrefillGemm, Bf16MatchesCpu) {
   run_gemm_case(PrefillWeightFormat::BF16, 150, 72, 128, PrefillOut::BF16, false, 3);
 }
 
+// 128 rows and more: the TMA-fed warp-specialized kernel (prefill_gemm_tma.cu),
+// 128- and 256-wide tiles, row and column tails, paired and single stores.
+TEST(CudaPrefillGemm, Bf16ManyRowsMatchesCpu) {
+  REQUIRE_GPU();
+  run_gemm_case(PrefillWeightFormat::BF16, 300, 264, 320, PrefillOut::F32, false, 12, false, 0);
+  run_gemm_case(PrefillWeightFormat::BF16, 129, 522, 192, PrefillOut::F32Add, false, 13, false, 2);
+  run_gemm_case(PrefillWeightFormat::BF16, 200, 131, 256, PrefillOut::F32Add, false, 14, false, 3);
+  run_gemm_case(PrefillWeightFormat::BF16, 700, 8200, 128, PrefillOut::BF16, false, 15, false, 0);
+  run_gemm_case(PrefillWeightFormat::BF16, 1111, 5000, 64, PrefillOut::F32, false, 16, false, 1);
+}
+
 TEST(CudaPrefillGemm, Q4MatchesCpu) {
   REQUIRE_GPU();
   run_gemm_case(PrefillWeightFormat::Q4, 77, 200, 320, PrefillOut::F32, false, 4);
@@ -294,9 +306,16 @@ TEST(CudaPrefillGemm, Q8MatchesCpu) {
 
 TEST(CudaPrefillGemm, SwigluMatchesCpu) {
   REQUIRE_GPU();
-  for (auto fmt : {PrefillWeightFormat::Q4, PrefillWeightFormat::BF16}) {
-    Rng r(20 + int(fmt));
-    const int T = 150, N = 96, K = 256;
+  // bf16 at 150 rows and at 1000 x 3200: the TMA kernel with 128- and 256-wide tiles.
+  struct Case {
+    PrefillWeightFormat fmt;
+    int T, N, K;
+  };
+  for (const Case c : {Case{PrefillWeightFormat::Q4, 150, 96, 256}, Case{PrefillWeightFormat::BF16, 150, 96, 256},
+                       Case{PrefillWeightFormat::BF16, 1000, 3200, 128}}) {
+    const auto fmt = c.fmt;
+    Rng r(20 + int(fmt) + c.T);
+    const int T = c.T, N = c.N, K = c.K;
     HostWeight g = make_weight(r, fmt, N, K), u = make_weight(r, fmt, N, K);
     std::vector<uint16_t> xb;
     std::vector<float> xf;
@@ -310,7 +329,7 @@ TEST(CudaPrefillGemm, SwigluMatchesCpu) {
     ck(cudaMemset(h.p, 0xFF, h.bytes), "memset");
     prefill_gemm_swiglu(dg.view, du.view, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
     const double e = rel_err(bf16_vec_to_f32(download<uint16_t>(h, size_t(T) * N)), ref);
-    std::printf("  swiglu fmt=%d: rel err %.3g\n", int(fmt), e);
+    std::printf("  swiglu fmt=%d T=%d N=%d: rel err %.3g\n", int(fmt), T, N, e);
     EXPECT_LT(e, 1e-2);
   }
 }
@@ -359,6 +378,47 @@ TEST(CudaPrefillGemm, ExpandedWeightsMatchCpu) {
   run_gemm_case(PrefillWeightFormat::Q4, 33, 136, 192, PrefillOut::F32Add, true, 72, true);
   run_gemm_case(PrefillWeightFormat::Q8, 129, 264, 256, PrefillOut::BF16, false, 73, true);
   run_gemm_case(PrefillWeightFormat::BF16, 77, 200, 128, PrefillOut::F32, false, 74, true);  // bf16: no expansion
+}
+
+// Several projections of one input into adjacent output columns: expanded
+// into one bf16 matrix and run as one GEMM (all quantized, scratch big
+// enough), or one GEMM per part (a bf16 part, no scratch).
+TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
+  REQUIRE_GPU();
+  const int T = 150, K = 192;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    Rng r(80 + variant);
+    const PrefillWeightFormat f2 = variant == 2 ? PrefillWeightFormat::BF16 : PrefillWeightFormat::Q8;
+    HostWeight w[3] = {make_weight(r, PrefillWeightFormat::Q4, 200, K), make_weight(r, f2, 40, K),
+                       make_weight(r, PrefillWeightFormat::Q4, 8, K, true)};
+    const int N = 248;
+    std::vector<float> deq;
+    for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+    const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
+    DevWeight d0 = upload_weight(w[0]), d1 = upload_weight(w[1]), d2 = upload_weight(w[2]);
+    const PrefillWeight parts[3] = {d0.view, d1.view, d2.view};
+    Dev x = upload(xb);
+    const size_t ldy = N + 5;
+    std::vector<float> init(size_t(T) * ldy);
+    for (auto& v : init) v = r.uniform(-1, 1);
+    Dev y = upload(init);
+    Dev scr(size_t(N) * K * 2);
+    const PrefillScratch sc = variant == 1 ? PrefillScratch{} : PrefillScratch{scr.p, scr.bytes, 1};
+    prefill_gemm_fused(parts, 3, x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr, sc);
+    const auto h = download<float>(y, init.size());
+    std::vector<float> got(size_t(T) * N);
+    for (int t = 0; t < T; ++t) {
+      for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
+      for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
+    }
+    const double e = rel_err(got, ref);
+    std::printf("  fused parts variant %d: rel err %.3g\n", variant, e);
+    EXPECT_LT(e, kTolQuant);
+  }
 }
 
 TEST(CudaPrefillGemm, RejectsBadShapes) {
@@ -419,14 +479,18 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
   }
 }
 
-void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed) {
+// tile_rows: 0 = the launcher's choice, 128 = the warp-specialized kernel for
+// quantized experts (the choice at >= 96 rows per expert).
+void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
+                  PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " k " << k << " hidden " << hidden
-                                    << " inter " << inter);
+                                    << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows);
   Rng r(seed);
   // Stacked experts: one HostWeight of E*rows rows is the stack.
-  HostWeight g = make_weight(r, PrefillWeightFormat::Q4, E * inter, hidden);
-  HostWeight u = make_weight(r, PrefillWeightFormat::Q4, E * inter, hidden);
-  HostWeight d = make_weight(r, PrefillWeightFormat::Q4, E * hidden, inter);
+  HostWeight g = make_weight(r, fmt, E * inter, hidden);
+  HostWeight u = make_weight(r, fmt, E * inter, hidden);
+  HostWeight d = make_weight(r, fmt, E * hidden, inter);
+  const size_t bits = fmt == PrefillWeightFormat::Q4 ? 4 : fmt == PrefillWeightFormat::Q8 ? 8 : 16;
   std::vector<uint16_t> xb;
   std::vector<float> xf;
   random_bf16(r, size_t(T) * hidden, 1.f, xb, xf);
@@ -473,8 +537,8 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     PrefillWeight v = w.view;
     v.rows = rows;
     v.cols = cols;
-    v.expert_w_bytes = size_t(rows) * cols / 2;
-    v.expert_sb_words = size_t(rows) * cols / 64;
+    v.expert_w_bytes = size_t(rows) * cols * bits / 8;
+    v.expert_sb_words = bits == 16 ? 0 : size_t(rows) * cols / 64;
     return v;
   };
   Dev x = upload(xb), dl = upload(logits), dsh = upload(sh), dsg = upload(sg);
@@ -503,11 +567,13 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   a.ldo = hidden;
   a.accumulate = accumulate;
   a.workspace_bytes = prefill_moe_workspace_bytes(T, E, k, hidden, inter);
+  a.tile_rows = tile_rows;
   Dev ws(a.workspace_bytes);
   a.workspace = ws.p;
   prefill_moe(a, nullptr);
   const double e = rel_err(download<float>(out, ref.size()), ref);
-  std::printf("  moe T=%d E=%d k=%d hidden=%d inter=%d: rel err %.3g\n", T, E, k, hidden, inter, e);
+  std::printf("  moe T=%d E=%d k=%d hidden=%d inter=%d fmt=%d tile=%d: rel err %.3g\n", T, E, k, hidden, inter,
+              int(fmt), tile_rows, e);
   EXPECT_LT(e, 1e-2);
 }
 
@@ -515,6 +581,17 @@ TEST(CudaPrefillMoe, MatchesCpuSmall) {
   REQUIRE_GPU();
   run_moe_case(300, 16, 4, 256, 128, true, false, 41);  // ~75 rows per expert: several 64-row tiles
   run_moe_case(7, 16, 4, 192, 64, false, true, 42);
+}
+
+// 128-row tiles: the warp-specialized kernel (q4 and q8), expert tiles partly
+// filled and split in two, SwiGLU outputs past the intermediate size; bf16
+// experts keep the tile-wise kernel.
+TEST(CudaPrefillMoe, MatchesCpuTallTiles) {
+  REQUIRE_GPU();
+  run_moe_case(300, 8, 2, 256, 192, true, false, 44, PrefillWeightFormat::Q4, 128);
+  run_moe_case(600, 4, 1, 192, 128, false, true, 45, PrefillWeightFormat::Q4, 128);
+  run_moe_case(200, 4, 2, 320, 128, true, true, 46, PrefillWeightFormat::Q8, 128);
+  run_moe_case(150, 4, 2, 128, 64, false, false, 47, PrefillWeightFormat::BF16, 128);
 }
 
 TEST(CudaPrefillMoe, MatchesCpuModelShape) {
@@ -1017,7 +1094,8 @@ TEST(CudaPrefillBench, Gemm) {
   fill_bf16(x, 1, 1.f);
   struct Shape { int N, K; const char* what; };
   const Shape shapes[] = {{8192, 2048, "deltanet qkv"}, {4096, 2048, "deltanet z / attn q"},
-                          {2048, 4096, "out_proj"}, {248320, 2048, "lm_head"}};
+                          {2048, 4096, "out_proj"}, {512, 2048, "attn k / v"},
+                          {2048, 512, "shared expert down"}, {248320, 2048, "lm_head"}};
   Dev y(size_t(T) * 248320 * 4);
   std::printf("\n| weights | N x K | what | T | ms | TFLOP/s | of 790 |\n|---|---|---|---|---|---|---|\n");
   for (auto fmt : {PrefillWeightFormat::Q4, PrefillWeightFormat::Q8, PrefillWeightFormat::BF16})
@@ -1057,7 +1135,7 @@ TEST(CudaPrefillBench, Moe) {
   BenchWeight g = bench_weight(PrefillWeightFormat::Q4, I, H, 21, E), u = bench_weight(PrefillWeightFormat::Q4, I, H, 22, E),
               d = bench_weight(PrefillWeightFormat::Q4, H, I, 23, E);
   std::printf("\n| MoE T | tile rows | ms | useful TFLOP/s | of 790 | tok/s | route ms | gate/up ms | down ms | combine ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
-  for (int T : {512, 2048, 4096})
+  for (int T : {512, 2048, 4096, 16384})
   for (int bm : {64, 128}) {
     Dev x(size_t(T) * H * 2), logits(size_t(T) * E * 4), out(size_t(T) * H * 4);
     fill_bf16(x, 3, 1.f);

@@ -31,6 +31,22 @@ void timed_stages(float (&ms)[N], Run&& run) {
   for (auto& e : ev) cudaEventDestroy(e);
 }
 
+// Multiprocessors of the current device (read once).
+int sm_count();
+
+// bf16 weights and many rows: the TMA-fed warp-specialized wgmma GEMM
+// (prefill_gemm_tma.cu). tma_gemm_fits says whether it takes this call (bf16,
+// not a stack, T >= min_rows); with `up` the call is SwiGLU (gate = w) with a
+// bf16 output.
+bool tma_gemm_fits(const PrefillWeight& w, int T, int min_rows = 128);
+void tma_gemm(const PrefillWeight& w, const PrefillWeight* up, const uint16_t* x, int T, size_t ldx, void* y,
+              size_t ldy, PrefillOut out, cudaStream_t stream);
+struct GemmParams;
+// Quantized expert stacks with 128-row tiles: the warp-specialized grouped
+// GEMM (prefill_gemm_ws.cu), grid (max_tiles, outputs / 256).
+bool moe_ws_fits(PrefillWeightFormat fmt, int tile_rows);
+void moe_ws_gemm(PrefillWeightFormat fmt, const GemmParams& g, bool swiglu, int max_tiles, cudaStream_t stream);
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -97,6 +113,133 @@ __device__ __forceinline__ float p_warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// ---- Dequantization of MLX affine weights (group 64) -------------------------
+__device__ __forceinline__ float code_f(uint32_t v, uint32_t sel) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
+}
+
+__device__ __forceinline__ float2 scale_bias(uint32_t sb, int f16) {
+  if (f16) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&sb);
+    return __half22float2(h);
+  }
+  return make_float2(bf16_lo(sb), bf16_hi(sb));
+}
+
+// 32 consecutive 4-bit weights (one 16-byte chunk of codes, low nibble first)
+// -> 4 chunks of 8 bf16: scale * code + bias, rounded once.
+__device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) {
+  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
+    o[i].x = pack_bf16x2(fmaf(code_f(lo, 0x7650), s.x, s.y), fmaf(code_f(hi, 0x7650), s.x, s.y));
+    o[i].y = pack_bf16x2(fmaf(code_f(lo, 0x7651), s.x, s.y), fmaf(code_f(hi, 0x7651), s.x, s.y));
+    o[i].z = pack_bf16x2(fmaf(code_f(lo, 0x7652), s.x, s.y), fmaf(code_f(hi, 0x7652), s.x, s.y));
+    o[i].w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
+  }
+}
+// The same with bf16 scale/bias (sbw: scale in the low half, bias in the high)
+// in bf16x2 arithmetic: each byte pair of nibbles becomes (128 + code) as bf16
+// (exact), minus 128 (exact), times the scale plus the bias in one bf16x2 FMA
+// rounded once: about half the instructions of the f32 path, the same values
+// up to the f32 path's double rounding (f32, then bf16) in rare ties.
+__device__ __forceinline__ void dequant_q4x32_bf16x2(uint4 c, uint32_t sbw, uint4 (&o)[4]) {
+  const uint32_t s2 = __byte_perm(sbw, 0, 0x1010), b2 = __byte_perm(sbw, 0, 0x3232);
+  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&s2);
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&b2);
+  const __nv_bfloat162 k128 = __floats2bfloat162_rn(128.f, 128.f);
+  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+  auto one = [&](uint32_t v) {  // bytes [n_even, 0x43, n_odd, 0x43]
+    const __nv_bfloat162 r = __hfma2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), k128), s, b);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
+    const uint32_t t0 = __byte_perm(lo, hi, 0x5140), t1 = __byte_perm(lo, hi, 0x7362);  // codes 0-3, 4-7
+    o[i].x = one(__byte_perm(t0, 0x43434343u, 0x4140));
+    o[i].y = one(__byte_perm(t0, 0x43434343u, 0x4342));
+    o[i].z = one(__byte_perm(t1, 0x43434343u, 0x4140));
+    o[i].w = one(__byte_perm(t1, 0x43434343u, 0x4342));
+  }
+}
+// 32 consecutive 8-bit weights (two 16-byte chunks) -> 4 chunks of 8 bf16.
+__device__ __forceinline__ void dequant_q8x32(uint4 c0, uint4 c1, float2 s, uint4 (&o)[4]) {
+  const uint32_t words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a = words[2 * j], b = words[2 * j + 1];
+    o[j].x = pack_bf16x2(fmaf(code_f(a, 0x7650), s.x, s.y), fmaf(code_f(a, 0x7651), s.x, s.y));
+    o[j].y = pack_bf16x2(fmaf(code_f(a, 0x7652), s.x, s.y), fmaf(code_f(a, 0x7653), s.x, s.y));
+    o[j].z = pack_bf16x2(fmaf(code_f(b, 0x7650), s.x, s.y), fmaf(code_f(b, 0x7651), s.x, s.y));
+    o[j].w = pack_bf16x2(fmaf(code_f(b, 0x7652), s.x, s.y), fmaf(code_f(b, 0x7653), s.x, s.y));
+  }
+}
+
+// ---- GEMM launch parameters shared by prefill_gemm.cu and prefill_gemm_ws.cu --
+enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
+
+struct GemmParams {
+  const uint16_t* x;
+  size_t ldx;
+  const int* a_rows;  // grouped: permuted position -> x row (null: identity)
+  int M;              // dense: number of rows
+  const uint8_t* w;
+  const uint32_t* sb;
+  const uint8_t* w2;  // SwiGLU: the up matrix
+  const uint32_t* sb2;
+  int sb_f16;
+  int N, K;
+  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
+  size_t expert_w_bytes, expert_sb_words;
+  const int* tile_expert;
+  const int* tile_row0;
+  const int* tile_rows;
+  const int* num_tiles;
+  void* y;
+  size_t ldy;
+  int out_kind;      // PrefillOut
+  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
+};
+
+// ---- Hopper warpgroup MMA (wgmma) with both operands in shared memory --------
+// The tiles are 128-byte rows (64 bf16 of K) with the 16-byte chunk c of row r
+// stored at c ^ (r & 7): the canonical K-major 128-byte-swizzle layout (8-row
+// groups 1024 bytes apart). A descriptor holds the start address (the tile
+// 1024-aligned, +32 bytes per 16-wide k step), the stride between 8-row groups
+// (1024 bytes) and the swizzle mode; the leading offset is unused here.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr) {
+  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wg_wait_all() { wg_wait<0>(); }
+__device__ __forceinline__ uint64_t wg_desc(const void* p) { return wg_desc(smem_u32(p)); }
+// Shared-memory writes of the generic proxy (cp.async, st.shared) made
+// visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// d += A . B^T: A 64 x 16 (rows of this warpgroup), B N x 16, f32 accumulators
+// (d[4j + 2h + e] = row g + 8h, column 8j + 2t + e; g = lane / 4, t = lane % 4,
+// rows offset by 16 per warp of the group).
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(1));
 }
 
 }  // namespace lily::cuda::prefill_detail

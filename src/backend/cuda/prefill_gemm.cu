@@ -18,6 +18,7 @@
 // stride. SwiGLU mode: the block's 128 weight rows are 64 gate rows and the 64
 // matching up rows, and the epilogue writes silu(gate) * up as bf16.
 #include <algorithm>
+#include <cstdlib>
 
 #include "backend/cuda/prefill_common.cuh"
 
@@ -31,31 +32,6 @@ constexpr int kBN = 128;  // weight rows per block tile
 constexpr int kBK = 64;   // = quantization group
 constexpr int kThreads = 256;
 constexpr int kStages = 3;
-
-enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
-
-struct GemmParams {
-  const uint16_t* x;
-  size_t ldx;
-  const int* a_rows;  // grouped: permuted position -> x row (null: identity)
-  int M;              // dense: number of rows
-  const uint8_t* w;
-  const uint32_t* sb;
-  const uint8_t* w2;  // SwiGLU: the up matrix
-  const uint32_t* sb2;
-  int sb_f16;
-  int N, K;
-  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
-  size_t expert_w_bytes, expert_sb_words;
-  const int* tile_expert;
-  const int* tile_row0;
-  const int* tile_rows;
-  const int* num_tiles;
-  void* y;
-  size_t ldy;
-  int out_kind;      // PrefillOut
-  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
-};
 
 template <int F>
 struct WTile {
@@ -71,18 +47,6 @@ constexpr size_t gemm_smem_bytes() {
          (F == kBF16 ? 0 : kBN * 128) + BM * sizeof(int);
 }
 
-__device__ __forceinline__ float code_f(uint32_t v, uint32_t sel) {
-  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
-}
-
-__device__ __forceinline__ float2 scale_bias(uint32_t sb, int f16) {
-  if (f16) {
-    const __half2 h = *reinterpret_cast<const __half2*>(&sb);
-    return __half22float2(h);
-  }
-  return make_float2(bf16_lo(sb), bf16_hi(sb));
-}
-
 // Expand one stage of raw codes into the bf16 tile Wd (swizzled rows of 64).
 template <int F>
 __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd, int sb_f16) {
@@ -92,62 +56,17 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd,
   const float2 s = scale_bias(sbw, sb_f16);
   uint16_t* row = Wd + r * 64;
   if constexpr (F == kQ4) {
-    const uint4 c = *reinterpret_cast<const uint4*>(stage + r * 32 + h * 16);
-    const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+    uint4 o[4];
+    dequant_q4x32(*reinterpret_cast<const uint4*>(stage + r * 32 + h * 16), s, o);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
-      uint4 o;
-      o.x = pack_bf16x2(fmaf(code_f(lo, 0x7650), s.x, s.y), fmaf(code_f(hi, 0x7650), s.x, s.y));
-      o.y = pack_bf16x2(fmaf(code_f(lo, 0x7651), s.x, s.y), fmaf(code_f(hi, 0x7651), s.x, s.y));
-      o.z = pack_bf16x2(fmaf(code_f(lo, 0x7652), s.x, s.y), fmaf(code_f(hi, 0x7652), s.x, s.y));
-      o.w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
-      const int ch = h * 4 + i;
-      *reinterpret_cast<uint4*>(row + ((ch ^ (r & 7)) << 3)) = o;
-    }
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(row + (((h * 4 + i) ^ (r & 7)) << 3)) = o[i];
   } else {  // Q8
     const uint4* src = reinterpret_cast<const uint4*>(stage + r * 64 + h * 32);
-    const uint4 c0 = src[0], c1 = src[1];
-    const uint32_t words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    uint4 o[4];
+    dequant_q8x32(src[0], src[1], s, o);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t a = words[2 * j], b = words[2 * j + 1];
-      uint4 o;
-      o.x = pack_bf16x2(fmaf(code_f(a, 0x7650), s.x, s.y), fmaf(code_f(a, 0x7651), s.x, s.y));
-      o.y = pack_bf16x2(fmaf(code_f(a, 0x7652), s.x, s.y), fmaf(code_f(a, 0x7653), s.x, s.y));
-      o.z = pack_bf16x2(fmaf(code_f(b, 0x7650), s.x, s.y), fmaf(code_f(b, 0x7651), s.x, s.y));
-      o.w = pack_bf16x2(fmaf(code_f(b, 0x7652), s.x, s.y), fmaf(code_f(b, 0x7653), s.x, s.y));
-      const int ch = h * 4 + j;
-      *reinterpret_cast<uint4*>(row + ((ch ^ (r & 7)) << 3)) = o;
-    }
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(row + (((h * 4 + i) ^ (r & 7)) << 3)) = o[i];
   }
-}
-
-// ---- Hopper warpgroup MMA (wgmma) with both operands in shared memory --------
-// The tiles are 128-byte rows (64 bf16 of K) with the 16-byte chunk c of row r
-// stored at c ^ (r & 7): the canonical K-major 128-byte-swizzle layout (8-row
-// groups 1024 bytes apart). A descriptor holds the start address (the tile
-// 1024-aligned, +32 bytes per 16-wide k step), the stride between 8-row groups
-// (1024 bytes) and the swizzle mode; the leading offset is unused here.
-__device__ __forceinline__ uint64_t wg_desc(const void* p) {
-  return uint64_t((smem_u32(p) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Shared-memory writes of the generic proxy (cp.async, st.shared) made
-// visible to the async proxy that wgmma reads through.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// d += A . B^T: A 64 x 16 (rows of this warpgroup), B 128 x 16, f32 accumulators
-// (d[4j + 2h + e] = row g + 8h, column 8j + 2t + e; g = lane / 4, t = lane % 4,
-// rows offset by 16 per warp of the group).
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(1));
 }
 
 template <int F, int BM, bool SWIGLU, bool GROUPED>
@@ -489,16 +408,6 @@ bool expand_pays(const PrefillWeight& w, int T, const PrefillScratch& sc, int ma
          sc.bytes >= size_t(matrices) * w.rows * w.cols * 2;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    check(cudaGetDevice(&dev), "cudaGetDevice");
-    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-    return v;
-  }();
-  return n;
-}
-
 const char* fmt_name(PrefillWeightFormat f) {
   return f == PrefillWeightFormat::BF16 ? "bf16" : f == PrefillWeightFormat::Q4 ? "q4" : "q8";
 }
@@ -707,6 +616,16 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 
 }  // namespace
 
+int prefill_detail::sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    check(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+    return v;
+  }();
+  return n;
+}
+
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
                   size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
   validate_weight(w, "prefill_gemm");
@@ -716,6 +635,7 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   if (ldy < size_t(w.rows)) fail("prefill_gemm: output row stride ", ldy, " is below N = ", w.rows);
   if (expand_pays(w, T, scratch, 1))
     return prefill_gemm(expand_bf16(w, static_cast<uint16_t*>(scratch.p), stream), x, T, ldx, y, ldy, out, stream);
+  if (tma_gemm_fits(w, T)) return tma_gemm(w, nullptr, x, T, ldx, y, ldy, out, stream);
   GemmParams p = base_params(w);
   p.x = x;
   p.ldx = ldx;
@@ -743,6 +663,40 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
 }
 
+void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y,
+                        size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
+  if (n <= 0 || !parts) fail("prefill_gemm_fused: no weights");
+  size_t rows = 0;
+  bool quant = true;
+  for (int i = 0; i < n; ++i) {
+    validate_weight(parts[i], "prefill_gemm_fused");
+    if (parts[i].cols != parts[0].cols) fail("prefill_gemm_fused: parts have different columns");
+    rows += size_t(parts[i].rows);
+    quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
+  }
+  const size_t cols = size_t(parts[0].cols);
+  if (n > 1 && quant && scratch.p && T >= scratch.min_rows && scratch.bytes >= rows * cols * 2 && rows <= (1u << 30)) {
+    uint16_t* d = static_cast<uint16_t*>(scratch.p);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      expand_bf16(parts[i], d + off * cols, stream);
+      off += size_t(parts[i].rows);
+    }
+    PrefillWeight all;
+    all.fmt = PrefillWeightFormat::BF16;
+    all.rows = int(rows);
+    all.cols = int(cols);
+    all.w = d;
+    return prefill_gemm(all, x, T, ldx, y, ldy, out, stream);
+  }
+  const size_t esize = out == PrefillOut::BF16 ? 2 : 4;
+  size_t col = 0;
+  for (int i = 0; i < n; ++i) {
+    prefill_gemm(parts[i], x, T, ldx, static_cast<char*>(y) + col * esize, ldy, out, stream, scratch);
+    col += size_t(parts[i].rows);
+  }
+}
+
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
                          int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,
                          const PrefillScratch& scratch) {
@@ -760,6 +714,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
     const PrefillWeight u = expand_bf16(up, d + size_t(gate.rows) * gate.cols, stream);
     return prefill_gemm_swiglu(g, u, x, T, ldx, h, ldh, stream);
   }
+  if (tma_gemm_fits(gate, T)) return tma_gemm(gate, &up, x, T, ldx, h, ldh, PrefillOut::BF16, stream);
   GemmParams p = base_params(gate);
   p.w2 = static_cast<const uint8_t*>(up.w);
   p.sb2 = up.sb;
@@ -861,8 +816,15 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   p.y = h;
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
+  // 128-row tiles of quantized experts: the warp-specialized kernel (its
+  // producer warpgroup expands each weight tile while the MMAs run).
+  const bool use_ws = moe_ws_fits(a.gate.fmt, bm) && !getenv("LILY_MOE_WS_OFF");  // TEMP comparison
   mark(1);
-  launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+  if (getenv("LILY_MOE_DQ_F32")) p.kt_per_split = -7;  // TEMP
+  if (use_ws)
+    moe_ws_gemm(a.gate.fmt, p, true, max_tiles, stream);
+  else
+    launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
   mark(2);
 
   GemmParams q = base_params(a.down);
@@ -876,7 +838,11 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.y = yp;
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::F32);
-  launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+  if (getenv("LILY_MOE_DQ_F32")) q.kt_per_split = -7;  // TEMP
+  if (use_ws && moe_ws_fits(a.down.fmt, bm))
+    moe_ws_gemm(a.down.fmt, q, false, max_tiles, stream);
+  else
+    launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
 
   moe_combine_kernel<<<a.T, 256, 0, stream>>>(yp, a.hidden, slot_pos, weights, a.k, a.shared_out,
