@@ -43,24 +43,89 @@ constexpr int kDnThreads = 256;
 // Compile-time sizes of one head-dim instantiation (dk = dv = D). Row strides
 // (floats) are chosen by how a tile is read with the tensor-core fragments
 // (g = lane / 4, t = lane % 4): tiles read as M[g][t] (A row-major, B as
-// [n][k]) use a stride = 4 (mod 32) (kPad, kPadA), tiles read as M[t][g]
-// (B as [k][n], A transposed) a stride = 8 (mod 32) (kPadT, kSlicePad), so
-// the 32 lanes hit 32 banks.
+// [n][k]) through ldmatrix use a stride = 4 (mod 8) (kPad, kPadA, kPadQ: the 8
+// rows of a 16-byte-wide phase hit 8 distinct bank quads), tiles read as
+// M[t][g] (A transposed) a stride = 8 (mod 32) (kPadT, kSlicePad), so the 32
+// lanes hit 32 banks.
 template <int D>
 struct DnShape {
   static_assert(D == 32 || D == 64 || D == 128, "DeltaNet head dim 32, 64 or 128");
   static_assert(kSlice <= D && D % kSlice == 0, "state slices must tile the columns");
   static constexpr int kPad = D + 4;
   static constexpr int kPadT = D + 8;
-  // The chunk kernel's Q tile (stride = 12 mod 32: A-fragment reads without
-  // conflicts) is reused for X and A (two 64 x 64 tiles, stride kPadA).
+  // The chunk kernel's Q tile is reused for X and A (two 64 x 64 tiles,
+  // stride kPadA).
   static constexpr int kPadQ = D + 12;
   static constexpr int kQRegion =
       kChunk * kPadQ > 2 * kChunk * kPadA ? kChunk * kPadQ : 2 * kChunk * kPadA;
   static constexpr size_t kChunkSmemFloats = kChunk * kPad + kQRegion + kChunk * kPadT + 3 * kChunk;
   static constexpr size_t kStateSmemFloats = 2 * kChunk * kPad + kChunk * kPadT + kChunk * kPadA +
-                                             2 * kChunk * kSlicePad + D * kSlicePad + 3 * kChunk;
+                                             kChunk * kSlicePad + kSlice * kPadA + kSlice * kPad + 3 * kChunk;
 };
+
+// ---- tensor cores: TF32 mma.sync m16n8k8 (row.col, f32 accumulate) ---------------
+// Fragment coordinates, g = lane / 4, t = lane % 4:
+//   A (16 x 8): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
+//   B (8 x 8):  b0 (k = t, n = g), b1 (k = t + 4, n = g)
+//   C (16 x 8): c0, c1 (g, 2t + {0, 1}), c2, c3 (g + 8, 2t + {0, 1})
+// Inputs are rounded to TF32 (10-bit mantissa, relative error <= 2^-11);
+// products are accumulated in f32.
+__device__ __forceinline__ uint32_t tf32(float f) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// A(m, k) = M[k0 + k][m0 + m] * f[k0 + k]
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const float* M, int ld, const float* f, int m0,
+                                         int k0, int g, int t) {
+  const float* q = M + (k0 + t) * ld + m0 + g;
+  const float f0 = f[k0 + t], f1 = f[k0 + t + 4];
+  a[0] = tf32(q[0] * f0);
+  a[1] = tf32(q[8] * f0);
+  a[2] = tf32(q[4 * ld] * f1);
+  a[3] = tf32(q[4 * ld + 8] * f1);
+}
+// f rounded to TF32, kept as a float: tiles that are only ever MMA operands
+// are stored rounded, so their fragments need no conversion when loaded.
+__device__ __forceinline__ float round_tf32(float f) { return __uint_as_float(tf32(f)); }
+__device__ __forceinline__ void to_tf32(uint32_t (&r)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r[i] = tf32(__uint_as_float(r[i]));
+}
+
+// Fragments through ldmatrix: an 8 x 8 b16 matrix is an 8 x 4 f32 one, and
+// lane (g, t) receives its row g, element t, which is the TF32 fragment
+// layout. Lanes 8q .. 8q + 7 give the row addresses of matrix q; rows must be
+// 16-byte aligned and, for conflict-free phases, the row stride = 4 (mod 8)
+// floats (the strides above that are = 4 or 12 mod 32). The values are
+// loaded as they are stored (round them first, or convert after).
+// A(m, k) = M[m0 + m][k0 + k]; matrices (rows +0, +8) x (columns +0, +4).
+__device__ __forceinline__ void ldsm_a(uint32_t (&a)[4], const float* M, int ld, int m0, int k0, int lane) {
+  const int q = lane >> 3, r = lane & 7;
+  ldmatrix_x4(a, M + (m0 + r + 8 * (q & 1)) * ld + k0 + 4 * (q >> 1));
+}
+// B(k, n) = M[n0 + n][k0 + k] for NT = 1 or 2 column tiles of 8 (n0, n0 + 8):
+// b[2 j], b[2 j + 1] are tile j's b0, b1.
+template <int NT>
+__device__ __forceinline__ void ldsm_b(uint32_t (&b)[2 * NT], const float* M, int ld, int k0, int n0, int lane) {
+  static_assert(NT == 1 || NT == 2, "one or two column tiles");
+  const int q = lane >> 3, r = lane & 7;
+  const float* p = M + (n0 + r + 8 * (q >> 1)) * ld + k0 + 4 * (q & 1);
+  if constexpr (NT == 2) {
+    ldmatrix_x4(b, p);
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b[0]), "=r"(b[1])
+                 : "r"(smem_u32(p)));
+  }
+}
 
 // ---- 1. conv + SiLU + norms + gates ----------------------------------------------
 struct PrepParams {
@@ -122,9 +187,10 @@ __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p)
 #pragma unroll
       for (int i = 0; i < kPer; ++i) v[i] *= inv;
     }
+    // q is only ever an MMA operand (q k^T, q S): stored rounded to TF32.
     float* out = p.act + size_t(t) * p.C + hh * kD;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = v[i];
+    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = hh < p.nk ? round_tf32(v[i]) : v[i];
   }
   if (gid < static_cast<long long>(p.T) * p.nv) {
     const int t = static_cast<int>(gid / p.nv), h = static_cast<int>(gid % p.nv);
@@ -142,57 +208,6 @@ __global__ void dn_ring_kernel(const float* qkv, size_t ld, int T, int P, int C,
   if (ch >= C) return;
   for (int t = max(0, T - kConvK); t < T; ++t)
     ring[size_t(ch) * kConvK + (P + t) % kConvK] = qkv[size_t(t) * ld + ch];
-}
-
-// ---- tensor cores: TF32 mma.sync m16n8k8 (row.col, f32 accumulate) ---------------
-// Fragment coordinates, g = lane / 4, t = lane % 4:
-//   A (16 x 8): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
-//   B (8 x 8):  b0 (k = t, n = g), b1 (k = t + 4, n = g)
-//   C (16 x 8): c0, c1 (g, 2t + {0, 1}), c2, c3 (g + 8, 2t + {0, 1})
-// Inputs are rounded to TF32 (10-bit mantissa, relative error <= 2^-11);
-// products are accumulated in f32.
-__device__ __forceinline__ uint32_t tf32(float f) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
-  return r;
-}
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// A(m, k) = M[m0 + m][k0 + k]
-__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const float* M, int ld, int m0, int k0, int g, int t) {
-  const float* q = M + (m0 + g) * ld + k0 + t;
-  a[0] = tf32(q[0]);
-  a[1] = tf32(q[8 * ld]);
-  a[2] = tf32(q[4]);
-  a[3] = tf32(q[8 * ld + 4]);
-}
-// A(m, k) = M[k0 + k][m0 + m] * f[k0 + k]
-__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const float* M, int ld, const float* f, int m0,
-                                         int k0, int g, int t) {
-  const float* q = M + (k0 + t) * ld + m0 + g;
-  const float f0 = f[k0 + t], f1 = f[k0 + t + 4];
-  a[0] = tf32(q[0] * f0);
-  a[1] = tf32(q[8] * f0);
-  a[2] = tf32(q[4 * ld] * f1);
-  a[3] = tf32(q[4 * ld + 8] * f1);
-}
-// B(k, n) = M[k0 + k][n0 + n]
-__device__ __forceinline__ void frag_b_kn(uint32_t& b0, uint32_t& b1, const float* M, int ld, int k0, int n0,
-                                          int g, int t) {
-  b0 = tf32(M[(k0 + t) * ld + n0 + g]);
-  b1 = tf32(M[(k0 + t + 4) * ld + n0 + g]);
-}
-// B(k, n) = M[n0 + n][k0 + k]
-__device__ __forceinline__ void frag_b_nk(uint32_t& b0, uint32_t& b1, const float* M, int ld, int k0, int n0,
-                                          int g, int t) {
-  const float* q = M + (n0 + g) * ld + k0 + t;
-  b0 = tf32(q[0]);
-  b1 = tf32(q[4]);
 }
 
 // ---- 2. per (chunk, head): A, substitution, U, W, P ------------------------------
@@ -267,15 +282,22 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
       for (int e = 0; e < 4; ++e) kk[n][e] = qk[n][e] = 0.f;
     for (int k0 = 0; k0 < kD; k0 += 8) {
       uint32_t ak[4], aq[4];
-      frag_a(ak, Ks, kPad, 16 * mr, k0, g, t);
-      frag_a(aq, Qs, kPadQ, 16 * mr, k0, g, t);
+      ldsm_a(ak, Ks, kPad, 16 * mr, k0, lane);
+      to_tf32(ak);
+      ldsm_a(aq, Qs, kPadQ, 16 * mr, k0, lane);  // q is stored rounded
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        if (32 * nh + 8 * n > 16 * mr + 15) continue;  // warp-uniform
-        uint32_t b0, b1;
-        frag_b_nk(b0, b1, Ks, kPad, k0, 32 * nh + 8 * n, g, t);
-        mma_tf32(kk[n], ak, b0, b1);
-        mma_tf32(qk[n], aq, b0, b1);
+      for (int n2 = 0; n2 < 2; ++n2) {
+        if (32 * nh + 16 * n2 > 16 * mr + 15) continue;  // warp-uniform
+        uint32_t b[4];
+        ldsm_b<2>(b, Ks, kPad, k0, 32 * nh + 16 * n2, lane);
+        to_tf32(b);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n = 2 * n2 + j;
+          if (32 * nh + 8 * n > 16 * mr + 15) continue;
+          mma_tf32(kk[n], ak, b[2 * j], b[2 * j + 1]);
+          mma_tf32(qk[n], aq, b[2 * j], b[2 * j + 1]);
+        }
       }
     }
     __syncthreads();  // every warp has read Q: A may overwrite its storage
@@ -294,7 +316,7 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
           pv[e] = jj <= i ? qk[n][2 * hf + e] * decay : 0.f;
         }
         *reinterpret_cast<float2*>(As + i * kPadA + j) = make_float2(av[0], av[1]);
-        *reinterpret_cast<float2*>(Pout + i * kChunk + j) = make_float2(pv[0], pv[1]);
+        *reinterpret_cast<float2*>(Pout + i * kChunk + j) = make_float2(round_tf32(pv[0]), round_tf32(pv[1]));
       }
   }
   __syncthreads();
@@ -333,7 +355,8 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
       for (int k0 = 0; k0 < 16 * (mr + 1); k0 += 8) {
         uint32_t a[4];
-        frag_a(a, X, kPadA, 16 * mr, k0, g, t);
+        ldsm_a(a, X, kPadA, 16 * mr, k0, lane);
+        to_tf32(a);
         const float f0 = bs[k0 + t] * (which ? ec[k0 + t] : 1.f);
         const float f1 = bs[k0 + t + 4] * (which ? ec[k0 + t + 4] : 1.f);
 #pragma unroll
@@ -350,8 +373,9 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
           const int i = 16 * mr + g + 8 * hf, y = nh * (kD / 2) + 8 * n + 2 * t;
           if (i >= L) continue;
           const float f = bs[i] * (which ? ec[i] : 1.f);
-          *reinterpret_cast<float2*>(dst + (size_t(h) * p.T + t0 + i) * kD + y) =
-              make_float2(fmaf(B[i * ldb + y], f, acc[n][2 * hf]), fmaf(B[i * ldb + y + 1], f, acc[n][2 * hf + 1]));
+          float2 v = make_float2(fmaf(B[i * ldb + y], f, acc[n][2 * hf]), fmaf(B[i * ldb + y + 1], f, acc[n][2 * hf + 1]));
+          if (which) v = make_float2(round_tf32(v.x), round_tf32(v.y));  // W: only the state pass's MMA operand
+          *reinterpret_cast<float2*>(dst + (size_t(h) * p.T + t0 + i) * kD + y) = v;
         }
     }
   }
@@ -375,31 +399,35 @@ struct StateParams {
 // chunk's arithmetic: group A = {W, q, U slice, c} (needed first), group
 // B = {P, k} (needed after v_new). q and k are copied raw; their decay
 // factors are applied to the sums instead (o: e^c_i, update: e^(c_L - c_j)).
-// The f32 state slice [D x 32] lives in the warps' accumulator registers
-// (warp w: rows 16 (w / (4 / SN)) .., SN column tiles); a copy in shared
-// memory is the B operand of the next chunk's W S and q S.
+// Warp w computes v_new and o for rows 16 (w % 4) .. and columns 16 (w / 4) ..;
+// the f32 state slice [D x 32] lives in the warps' accumulator registers
+// (warp w: rows 16 (w / (4 / SN)) .., SN column tiles); a transposed copy
+// rounded to TF32 in shared memory is the B operand of the next chunk's W S
+// and q S, and v_new is kept the same way for P v_new and k^T v_new, so that
+// W, q, P (stored rounded), S and v_new all load through ldmatrix.
 template <int D>
 __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StateParams p) {
   using Sh = DnShape<D>;
   constexpr int kD = D, kPad = Sh::kPad, kPadT = Sh::kPadT, kSP = kSlicePad;
+  constexpr int NO = 2;         // 8-column tiles of v_new and o per warp
+  constexpr int SN = kD / 32;   // 8-column tiles of the state per warp: 4, 2, 1
   extern __shared__ __align__(16) float sm[];
   float* Wc = sm;                     // [64][kPad]
   float* Qc = Wc + kChunk * kPad;     // [64][kPad]
   float* Kc = Qc + kChunk * kPad;     // [64][kPadT]
   float* Pc = Kc + kChunk * kPadT;    // [64][kPadA]
   float* Uc = Pc + kChunk * kPadA;    // [64][kSP] U slice
-  float* VN = Uc + kChunk * kSP;      // [64][kSP] v_new slice
-  float* S = VN + kChunk * kSP;       // [D][kSP]
-  float* cc = S + kD * kSP;           // [2][64]
+  float* VNt = Uc + kChunk * kSP;     // [32][kPadA] v_new slice, transposed, TF32
+  float* St = VNt + kSlice * kPadA;   // [32][kPad] S slice, transposed, TF32
+  float* cc = St + kSlice * kPad;     // [2][64]
   float* fj = cc + 2 * kChunk;        // e^(c_L - c_j)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3, mr = warp & 3, nh = warp >> 2;
+  const int g = lane >> 2, t = lane & 3, mr = warp & 3, on = 16 * (warp >> 2);
   const int slices = kD / kSlice;
   const int h = blockIdx.x / slices, y0 = (blockIdx.x % slices) * kSlice;
   const int kh = h / (p.nv / p.nk);
   float* st = p.state + size_t(h) * kD * kD;
 
-  constexpr int SN = kD / 32;  // state column tiles per warp: 4, 2, 1
   const int s_m = 16 * (warp / (4 / SN)), s_n = 8 * SN * (warp % (4 / SN));
   float sreg[SN][4];
 #pragma unroll
@@ -408,7 +436,7 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
     for (int e = 0; e < 4; ++e) {
       const int x = s_m + g + 8 * (e >> 1), y = s_n + 8 * n + 2 * t + (e & 1);
       sreg[n][e] = st[x * kD + y0 + y];
-      S[x * kSP + y] = sreg[n][e];
+      St[y * kPad + x] = round_tf32(sreg[n][e]);
     }
 
   auto issue_a = [&](int ci) {
@@ -460,31 +488,31 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
     const float cL = cb[L - 1];
     if (tid < kChunk) fj[tid] = expf(cL - cb[tid]);
 
-    // v_new = U - W S and q S: rows 16 mr .., columns 16 nh .. (two tiles).
-    float vn[2][4], qs[2][4];
+    // v_new = U - W S and q S: rows 16 mr .., columns on .. (NO tiles).
+    float vn[NO][4], qs[NO][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < NO; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) vn[n][e] = qs[n][e] = 0.f;
     for (int k0 = 0; k0 < kD; k0 += 8) {
-      uint32_t aw[4], aq[4];
-      frag_a(aw, Wc, kPad, 16 * mr, k0, g, t);
-      frag_a(aq, Qc, kPad, 16 * mr, k0, g, t);
+      uint32_t aw[4], aq[4], b[2 * NO];
+      ldsm_a(aw, Wc, kPad, 16 * mr, k0, lane);
+      ldsm_a(aq, Qc, kPad, 16 * mr, k0, lane);
+      ldsm_b<NO>(b, St, kPad, k0, on, lane);
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        uint32_t b0, b1;
-        frag_b_kn(b0, b1, S, kSP, k0, 16 * nh + 8 * n, g, t);
-        mma_tf32(vn[n], aw, b0, b1);
-        mma_tf32(qs[n], aq, b0, b1);
+      for (int n = 0; n < NO; ++n) {
+        mma_tf32(vn[n], aw, b[2 * n], b[2 * n + 1]);
+        mma_tf32(qs[n], aq, b[2 * n], b[2 * n + 1]);
       }
     }
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < NO; ++n)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mr + g + 8 * hf, y = 16 * nh + 8 * n + 2 * t;
+        const int i = 16 * mr + g + 8 * hf, y = on + 8 * n + 2 * t;
         const float2 u = *reinterpret_cast<const float2*>(Uc + i * kSP + y);
-        *reinterpret_cast<float2*>(VN + i * kSP + y) = make_float2(u.x - vn[n][2 * hf], u.y - vn[n][2 * hf + 1]);
+        VNt[y * kPadA + i] = round_tf32(u.x - vn[n][2 * hf]);
+        VNt[(y + 1) * kPadA + i] = round_tf32(u.y - vn[n][2 * hf + 1]);
         const float e = expf(cb[i]);
         qs[n][2 * hf] *= e;
         qs[n][2 * hf + 1] *= e;
@@ -497,22 +525,19 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
 
     // o = (q e^c) S + P v_new (P is lower triangular: its first 16 (mr + 1) columns).
     for (int k0 = 0; k0 < 16 * (mr + 1); k0 += 8) {
-      uint32_t a[4];
-      frag_a(a, Pc, kPadA, 16 * mr, k0, g, t);
+      uint32_t a[4], b[2 * NO];
+      ldsm_a(a, Pc, kPadA, 16 * mr, k0, lane);
+      ldsm_b<NO>(b, VNt, kPadA, k0, on, lane);
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        uint32_t b0, b1;
-        frag_b_kn(b0, b1, VN, kSP, k0, 16 * nh + 8 * n, g, t);
-        mma_tf32(qs[n], a, b0, b1);
-      }
+      for (int n = 0; n < NO; ++n) mma_tf32(qs[n], a, b[2 * n], b[2 * n + 1]);
     }
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < NO; ++n)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = 16 * mr + g + 8 * hf;
         if (i >= L) continue;
-        float* o = p.out + size_t(t0 + i) * p.ld_out + h * kD + y0 + 16 * nh + 8 * n + 2 * t;
+        float* o = p.out + size_t(t0 + i) * p.ld_out + h * kD + y0 + on + 8 * n + 2 * t;
         o[0] = qs[n][2 * hf];
         o[1] = qs[n][2 * hf + 1];
       }
@@ -526,19 +551,25 @@ __global__ void __launch_bounds__(kDnThreads, 1) dn_state_kernel(const StatePara
       for (int k0 = 0; k0 < kChunk; k0 += 8) {
         uint32_t a[4];
         frag_a_t(a, Kc, kPadT, fj, s_m, k0, g, t);
+        if constexpr (SN == 1) {
+          uint32_t b[2];
+          ldsm_b<1>(b, VNt, kPadA, k0, s_n, lane);
+          mma_tf32(sreg[0], a, b[0], b[1]);
+        } else {
 #pragma unroll
-        for (int n = 0; n < SN; ++n) {
-          uint32_t b0, b1;
-          frag_b_kn(b0, b1, VN, kSP, k0, s_n + 8 * n, g, t);
-          mma_tf32(sreg[n], a, b0, b1);
+          for (int n2 = 0; n2 < SN / 2; ++n2) {
+            uint32_t b[4];
+            ldsm_b<2>(b, VNt, kPadA, k0, s_n + 16 * n2, lane);
+            mma_tf32(sreg[2 * n2], a, b[0], b[1]);
+            mma_tf32(sreg[2 * n2 + 1], a, b[2], b[3]);
+          }
         }
       }
 #pragma unroll
       for (int n = 0; n < SN; ++n)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-          *reinterpret_cast<float2*>(S + (s_m + g + 8 * hf) * kSP + s_n + 8 * n + 2 * t) =
-              make_float2(sreg[n][2 * hf], sreg[n][2 * hf + 1]);
+        for (int e = 0; e < 4; ++e)
+          St[(s_n + 8 * n + 2 * t + (e & 1)) * kPad + s_m + g + 8 * (e >> 1)] = round_tf32(sreg[n][e]);
     }
     __syncthreads();  // P, k, v_new consumed; S visible
     if (ci + 1 < p.nchunks) issue_b(ci + 1);
