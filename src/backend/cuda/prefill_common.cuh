@@ -41,11 +41,6 @@ int sm_count();
 bool tma_gemm_fits(const PrefillWeight& w, int T, int min_rows = 128);
 void tma_gemm(const PrefillWeight& w, const PrefillWeight* up, const uint16_t* x, int T, size_t ldx, void* y,
               size_t ldy, PrefillOut out, cudaStream_t stream);
-struct GemmParams;
-// Quantized expert stacks with 128-row tiles: the warp-specialized grouped
-// GEMM (prefill_gemm_ws.cu), grid (max_tiles, outputs / 256).
-bool moe_ws_fits(PrefillWeightFormat fmt, int tile_rows);
-void moe_ws_gemm(PrefillWeightFormat fmt, const GemmParams& g, bool swiglu, int max_tiles, cudaStream_t stream);
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -114,96 +109,6 @@ __device__ __forceinline__ float p_warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-
-// ---- Dequantization of MLX affine weights (group 64) -------------------------
-__device__ __forceinline__ float code_f(uint32_t v, uint32_t sel) {
-  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
-}
-
-__device__ __forceinline__ float2 scale_bias(uint32_t sb, int f16) {
-  if (f16) {
-    const __half2 h = *reinterpret_cast<const __half2*>(&sb);
-    return __half22float2(h);
-  }
-  return make_float2(bf16_lo(sb), bf16_hi(sb));
-}
-
-// 32 consecutive 4-bit weights (one 16-byte chunk of codes, low nibble first)
-// -> 4 chunks of 8 bf16: scale * code + bias, rounded once.
-__device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) {
-  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
-    o[i].x = pack_bf16x2(fmaf(code_f(lo, 0x7650), s.x, s.y), fmaf(code_f(hi, 0x7650), s.x, s.y));
-    o[i].y = pack_bf16x2(fmaf(code_f(lo, 0x7651), s.x, s.y), fmaf(code_f(hi, 0x7651), s.x, s.y));
-    o[i].z = pack_bf16x2(fmaf(code_f(lo, 0x7652), s.x, s.y), fmaf(code_f(hi, 0x7652), s.x, s.y));
-    o[i].w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
-  }
-}
-// The same with bf16 scale/bias (sbw: scale in the low half, bias in the high)
-// in bf16x2 arithmetic: each byte pair of nibbles becomes (128 + code) as bf16
-// (exact), minus 128 (exact), times the scale plus the bias in one bf16x2 FMA
-// rounded once: about half the instructions of the f32 path, the same values
-// up to the f32 path's double rounding (f32, then bf16) in rare ties.
-__device__ __forceinline__ void dequant_q4x32_bf16x2(uint4 c, uint32_t sbw, uint4 (&o)[4]) {
-  const uint32_t s2 = __byte_perm(sbw, 0, 0x1010), b2 = __byte_perm(sbw, 0, 0x3232);
-  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162*>(&s2);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&b2);
-  const __nv_bfloat162 k128 = __floats2bfloat162_rn(128.f, 128.f);
-  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
-  auto one = [&](uint32_t v) {  // bytes [n_even, 0x43, n_odd, 0x43]
-    const __nv_bfloat162 r = __hfma2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), k128), s, b);
-    return *reinterpret_cast<const uint32_t*>(&r);
-  };
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
-    const uint32_t t0 = __byte_perm(lo, hi, 0x5140), t1 = __byte_perm(lo, hi, 0x7362);  // codes 0-3, 4-7
-    o[i].x = one(__byte_perm(t0, 0x43434343u, 0x4140));
-    o[i].y = one(__byte_perm(t0, 0x43434343u, 0x4342));
-    o[i].z = one(__byte_perm(t1, 0x43434343u, 0x4140));
-    o[i].w = one(__byte_perm(t1, 0x43434343u, 0x4342));
-  }
-}
-// 32 consecutive 8-bit weights (two 16-byte chunks) -> 4 chunks of 8 bf16.
-__device__ __forceinline__ void dequant_q8x32(uint4 c0, uint4 c1, float2 s, uint4 (&o)[4]) {
-  const uint32_t words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t a = words[2 * j], b = words[2 * j + 1];
-    o[j].x = pack_bf16x2(fmaf(code_f(a, 0x7650), s.x, s.y), fmaf(code_f(a, 0x7651), s.x, s.y));
-    o[j].y = pack_bf16x2(fmaf(code_f(a, 0x7652), s.x, s.y), fmaf(code_f(a, 0x7653), s.x, s.y));
-    o[j].z = pack_bf16x2(fmaf(code_f(b, 0x7650), s.x, s.y), fmaf(code_f(b, 0x7651), s.x, s.y));
-    o[j].w = pack_bf16x2(fmaf(code_f(b, 0x7652), s.x, s.y), fmaf(code_f(b, 0x7653), s.x, s.y));
-  }
-}
-
-// ---- GEMM launch parameters shared by prefill_gemm.cu and prefill_gemm_ws.cu --
-enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
-
-struct GemmParams {
-  const uint16_t* x;
-  size_t ldx;
-  const int* a_rows;  // grouped: permuted position -> x row (null: identity)
-  int M;              // dense: number of rows
-  const uint8_t* w;
-  const uint32_t* sb;
-  const uint8_t* w2;  // SwiGLU: the up matrix
-  const uint32_t* sb2;
-  int sb_f16;
-  int N, K;
-  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
-  size_t expert_w_bytes, expert_sb_words;
-  const int* tile_expert;
-  const int* tile_row0;
-  const int* tile_rows;
-  const int* num_tiles;
-  void* y;
-  size_t ldy;
-  int out_kind;      // PrefillOut
-  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
-};
 
 // ---- Hopper warpgroup MMA (wgmma) with both operands in shared memory --------
 // The tiles are 128-byte rows (64 bf16 of K) with the 16-byte chunk c of row r

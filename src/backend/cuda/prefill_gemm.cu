@@ -18,7 +18,6 @@
 // stride. SwiGLU mode: the block's 128 weight rows are 64 gate rows and the 64
 // matching up rows, and the epilogue writes silu(gate) * up as bf16.
 #include <algorithm>
-#include <cstdlib>
 
 #include "backend/cuda/prefill_common.cuh"
 
@@ -27,6 +26,70 @@ namespace lily::cuda {
 namespace {
 
 using namespace prefill_detail;
+
+// ---- Dequantization of MLX affine weights (group 64) -------------------------
+__device__ __forceinline__ float code_f(uint32_t v, uint32_t sel) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
+}
+
+__device__ __forceinline__ float2 scale_bias(uint32_t sb, int f16) {
+  if (f16) {
+    const __half2 h = *reinterpret_cast<const __half2*>(&sb);
+    return __half22float2(h);
+  }
+  return make_float2(bf16_lo(sb), bf16_hi(sb));
+}
+
+// 32 consecutive 4-bit weights (one 16-byte chunk of codes, low nibble first)
+// -> 4 chunks of 8 bf16: scale * code + bias in f32, rounded to bf16.
+__device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) {
+  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = words[i] & 0x0F0F0F0Fu, hi = (words[i] >> 4) & 0x0F0F0F0Fu;
+    o[i].x = pack_bf16x2(fmaf(code_f(lo, 0x7650), s.x, s.y), fmaf(code_f(hi, 0x7650), s.x, s.y));
+    o[i].y = pack_bf16x2(fmaf(code_f(lo, 0x7651), s.x, s.y), fmaf(code_f(hi, 0x7651), s.x, s.y));
+    o[i].z = pack_bf16x2(fmaf(code_f(lo, 0x7652), s.x, s.y), fmaf(code_f(hi, 0x7652), s.x, s.y));
+    o[i].w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
+  }
+}
+// 32 consecutive 8-bit weights (two 16-byte chunks) -> 4 chunks of 8 bf16.
+__device__ __forceinline__ void dequant_q8x32(uint4 c0, uint4 c1, float2 s, uint4 (&o)[4]) {
+  const uint32_t words[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a = words[2 * j], b = words[2 * j + 1];
+    o[j].x = pack_bf16x2(fmaf(code_f(a, 0x7650), s.x, s.y), fmaf(code_f(a, 0x7651), s.x, s.y));
+    o[j].y = pack_bf16x2(fmaf(code_f(a, 0x7652), s.x, s.y), fmaf(code_f(a, 0x7653), s.x, s.y));
+    o[j].z = pack_bf16x2(fmaf(code_f(b, 0x7650), s.x, s.y), fmaf(code_f(b, 0x7651), s.x, s.y));
+    o[j].w = pack_bf16x2(fmaf(code_f(b, 0x7652), s.x, s.y), fmaf(code_f(b, 0x7653), s.x, s.y));
+  }
+}
+
+enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
+
+struct GemmParams {
+  const uint16_t* x;
+  size_t ldx;
+  const int* a_rows;  // grouped: permuted position -> x row (null: identity)
+  int M;              // dense: number of rows
+  const uint8_t* w;
+  const uint32_t* sb;
+  const uint8_t* w2;  // SwiGLU: the up matrix
+  const uint32_t* sb2;
+  int sb_f16;
+  int N, K;
+  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
+  size_t expert_w_bytes, expert_sb_words;
+  const int* tile_expert;
+  const int* tile_row0;
+  const int* tile_rows;
+  const int* num_tiles;
+  void* y;
+  size_t ldy;
+  int out_kind;      // PrefillOut
+  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
+};
 
 constexpr int kBN = 128;  // weight rows per block tile
 constexpr int kBK = 64;   // = quantization group
@@ -663,40 +726,6 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
 }
 
-void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y,
-                        size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
-  if (n <= 0 || !parts) fail("prefill_gemm_fused: no weights");
-  size_t rows = 0;
-  bool quant = true;
-  for (int i = 0; i < n; ++i) {
-    validate_weight(parts[i], "prefill_gemm_fused");
-    if (parts[i].cols != parts[0].cols) fail("prefill_gemm_fused: parts have different columns");
-    rows += size_t(parts[i].rows);
-    quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
-  }
-  const size_t cols = size_t(parts[0].cols);
-  if (n > 1 && quant && scratch.p && T >= scratch.min_rows && scratch.bytes >= rows * cols * 2 && rows <= (1u << 30)) {
-    uint16_t* d = static_cast<uint16_t*>(scratch.p);
-    size_t off = 0;
-    for (int i = 0; i < n; ++i) {
-      expand_bf16(parts[i], d + off * cols, stream);
-      off += size_t(parts[i].rows);
-    }
-    PrefillWeight all;
-    all.fmt = PrefillWeightFormat::BF16;
-    all.rows = int(rows);
-    all.cols = int(cols);
-    all.w = d;
-    return prefill_gemm(all, x, T, ldx, y, ldy, out, stream);
-  }
-  const size_t esize = out == PrefillOut::BF16 ? 2 : 4;
-  size_t col = 0;
-  for (int i = 0; i < n; ++i) {
-    prefill_gemm(parts[i], x, T, ldx, static_cast<char*>(y) + col * esize, ldy, out, stream, scratch);
-    col += size_t(parts[i].rows);
-  }
-}
-
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
                          int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,
                          const PrefillScratch& scratch) {
@@ -816,15 +845,8 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   p.y = h;
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
-  // 128-row tiles of quantized experts: the warp-specialized kernel (its
-  // producer warpgroup expands each weight tile while the MMAs run).
-  const bool use_ws = moe_ws_fits(a.gate.fmt, bm) && !getenv("LILY_MOE_WS_OFF");  // TEMP comparison
   mark(1);
-  if (getenv("LILY_MOE_DQ_F32")) p.kt_per_split = -7;  // TEMP
-  if (use_ws)
-    moe_ws_gemm(a.gate.fmt, p, true, max_tiles, stream);
-  else
-    launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+  launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
   mark(2);
 
   GemmParams q = base_params(a.down);
@@ -838,11 +860,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.y = yp;
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::F32);
-  if (getenv("LILY_MOE_DQ_F32")) q.kt_per_split = -7;  // TEMP
-  if (use_ws && moe_ws_fits(a.down.fmt, bm))
-    moe_ws_gemm(a.down.fmt, q, false, max_tiles, stream);
-  else
-    launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+  launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
 
   moe_combine_kernel<<<a.T, 256, 0, stream>>>(yp, a.hidden, slot_pos, weights, a.k, a.shared_out,

@@ -1,33 +1,26 @@
-// Warp-specialized prefill GEMMs on Hopper: one warpgroup produces shared-
-// memory stages, two consume them with wgmma, mbarriers between them.
+// Prefill GEMM for bf16 weights and many rows, warp-specialized on Hopper:
+// one warpgroup produces shared-memory stages with the bulk tensor copy engine
+// (TMA), two consume them with wgmma, mbarriers between them.
 //
-// Dense (bf16 weights: plain bf16 checkpoints, or q4/q8 weights expanded once
-// per projection into the prefill scratch), y[T][N] = x[T][K] . W^T: the
-// producer is one thread issuing, per 64-wide k-step, bulk tensor copies (TMA)
-// of the x tile (128 x 64) and the weight tile (BN x 64), both landing in the
-// 128-byte swizzle that wgmma reads; a stage's "full" mbarrier completes when
-// its bytes arrive.
-//
-// Grouped MoE (q4/q8 expert stacks, the device-built tile list of
-// prefill_moe): the 128 producer threads gather the tile's x rows through the
-// permutation with cp.async, bring each k-step's raw weight codes and
-// scale/bias words into a small ring (cp.async, two k-steps ahead), expand
-// them to bf16 straight into the stage's weight tile, and arrive on its
-// "full" mbarrier. Each expert weight tile is expanded once per block, in the
-// producer, while the tensor cores work on the previous stages.
-//
-// Consumers (both kinds): warpgroups 1 and 2 each own 64 rows; they wait for a
-// stage, issue four wgmma m64nBNk16, keep one k-step of MMAs in flight and
-// release the previous stage through its "empty" mbarrier, so loads, the
-// expansion and the MMAs overlap with no block-wide barrier in the main loop.
+// y[T][N] = x[T][K] . W^T, x and W bf16 (plain bf16 checkpoints, or q4/q8
+// weights expanded once per projection into the prefill scratch). One block
+// (384 threads, one per SM) computes a 128 x BN tile of y (BN = 256, or 128
+// when 256-wide tiles would leave SMs idle):
+//  - producer: one thread issues, per 64-wide k-step, TMA copies of the x tile
+//    (128 x 64) and the weight tile (BN x 64) into a ring of stages, both in
+//    the 128-byte swizzle that wgmma reads; a stage's "full" mbarrier
+//    completes when its bytes land;
+//  - consumers: warpgroups 1 and 2 each own 64 rows; they wait for a stage,
+//    issue four wgmma m64nBNk16 on it, keep one k-step of MMAs in flight and
+//    release the previous stage through its "empty" mbarrier, so loads,
+//    barriers and MMAs overlap with no block-wide barrier in the main loop.
 // The epilogue writes from the accumulators (f32, f32 +=, bf16, or SwiGLU: the
 // tile's first BN/2 weight rows are gate rows, the rest the matching up rows,
-// and the output is silu(gate) * up in bf16). Rows past the tile's valid rows
-// and outputs past N are computed on zeros or neighbours' rows and not stored.
+// and the output is silu(gate) * up in bf16). Rows past T and weight rows past
+// N come in as zeros (TMA out-of-bounds fill) and are not stored.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/prefill_common.cuh"
@@ -42,39 +35,19 @@ constexpr int kBM = 128;  // rows of x per tile (two consumer warpgroups of 64)
 constexpr int kBK = 64;   // k per stage: one 128-byte swizzled row
 constexpr int kThreads = 384;
 
-// Shared memory: S stages of [x tile | weight tile], then (MoE) the raw-code
-// ring and the tile's row map, then the mbarriers; the stages start at a
-// multiple of 1024 bytes (the swizzle atom).
-template <int BN, int S, int RAW_STAGE_BYTES = 0, int RAW_STAGES = 0>
-struct WsCfg {
+// Shared memory: S stages of [x tile | weight tile], then the mbarriers; the
+// stages start at a multiple of 1024 bytes (the swizzle atom).
+template <int BN, int S>
+struct TmaCfg {
   static constexpr int kStages = S;
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = BN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kRawOffset = S * kStageBytes;
-  static constexpr int kRowsOffset = kRawOffset + RAW_STAGES * RAW_STAGE_BYTES;
-  static constexpr int kBarOffset = kRowsOffset + (RAW_STAGES ? kBM * 4 : 0);
+  static constexpr int kBarOffset = S * kStageBytes;
   static constexpr size_t kSmem = size_t(kBarOffset) + 16 * S + 1024;
 };
-using DenseCfg256 = WsCfg<256, 4>;
-using DenseCfg128 = WsCfg<128, 6>;
-
-// MoE producer: the x rows of k-step kt + 1 (one stage ahead: they mostly come
-// from L2) and the raw weight codes of k-step kt + kAhead (from DRAM: further
-// ahead, in a small ring) are in flight while k-step kt is expanded. Raw codes
-// per row and k-step: Q4 32 bytes + one scale/bias word, Q8 64 + 4. Three
-// stages: a stage is refilled once the consumers are done with the k-step
-// two back, so the producer never waits on the stage it is about to fill.
-constexpr int kMoeBN = 256;
-constexpr int kMoeStages = 3;
-template <int F>
-struct MoeRaw {
-  static constexpr int kChunks = F == kQ4 ? 2 : 4;  // 16-byte code chunks per row
-  static constexpr int kStageBytes = kMoeBN * (16 * kChunks + 4);
-  static constexpr int kAhead = F == kQ4 ? 4 : 2;  // what fits in shared memory
-};
-template <int F>
-using MoeCfg = WsCfg<kMoeBN, kMoeStages, MoeRaw<F>::kStageBytes, MoeRaw<F>::kAhead + 1>;
+template <int BN>
+using TmaCfgFor = std::conditional_t<BN == 256, TmaCfg<256, 4>, TmaCfg<128, 6>>;
 
 struct TmaParams {
   int M, N, K;  // N: outputs (SwiGLU: gate rows)
@@ -136,7 +109,7 @@ __device__ __forceinline__ void init_barriers(uint32_t bars, int full_count) {
 template <int BN, int S, bool SWIGLU>
 __device__ __forceinline__ void consume(uint32_t base, uint32_t bars, int KT, int m0, int rows_valid, int n0,
                                        const TmaParams& p) {
-  constexpr int kStageBytes = WsCfg<BN, S>::kStageBytes, kABytes = WsCfg<BN, S>::kABytes;
+  constexpr int kStageBytes = TmaCfg<BN, S>::kStageBytes, kABytes = TmaCfg<BN, S>::kABytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, cw = (warp >> 2) - 1;
   if (64 * cw >= rows_valid) {  // no valid row: only pass the stages on
     for (int kt = 0; kt < KT; ++kt) {
@@ -209,7 +182,7 @@ template <int BN, bool SWIGLU>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_tma_kernel(const __grid_constant__ CUtensorMap xmap, const __grid_constant__ CUtensorMap wmap,
                     const __grid_constant__ CUtensorMap umap, const TmaParams p) {
-  using C = std::conditional_t<BN == 256, DenseCfg256, DenseCfg128>;
+  using C = TmaCfgFor<BN>;
   constexpr int S = C::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::kBarOffset;
@@ -241,127 +214,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     consume<BN, S, SWIGLU>(base, bars, KT, m0, min(kBM, p.M - m0), n0, p);
-  }
-}
-
-// Grouped MoE GEMM over the device-built tile list (see prefill_gemm.cu's
-// GemmParams: tile_expert / tile_row0 / tile_rows, a_rows = token per
-// permuted row, expert stacks by stride). y rows are permuted rows.
-template <int F, bool SWIGLU>
-__global__ void __launch_bounds__(kThreads, 1) moe_ws_kernel(const GemmParams g) {
-  using C = MoeCfg<F>;
-  using R = MoeRaw<F>;
-  constexpr int S = C::kStages, RS = R::kAhead + 1;
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::kBarOffset;
-  uint8_t* const gbase = smem_raw + (base - smem_u32(smem_raw));
-  int* s_arow = reinterpret_cast<int*>(gbase + C::kRowsOffset);
-  const int tid = threadIdx.x;
-  const int tile = blockIdx.x;
-  if (tile >= *g.num_tiles) return;
-  const int expert = g.tile_expert[tile], m0 = g.tile_row0[tile], rows_valid = g.tile_rows[tile];
-  const int n0 = blockIdx.y * kMoeBN;
-  const int KT = g.K / kBK;
-  for (int r = tid; r < kBM; r += kThreads) s_arow[r] = r < rows_valid ? (g.a_rows ? g.a_rows[m0 + r] : m0 + r) : -1;
-  init_barriers<S>(bars, 128);
-  __syncthreads();
-
-  if (tid < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n" ::: "memory");
-    // This thread's two weight rows of the tile (tid, tid + 128): matrix row
-    // and where its codes and scale/bias words start (null: past N).
-    const uint8_t* wrow[2];
-    const uint32_t* sbrow[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = tid + 128 * i;
-      const bool up = SWIGLU && r >= kMoeBN / 2;
-      const int n = SWIGLU ? n0 / 2 + (up ? r - kMoeBN / 2 : r) : n0 + r;
-      const uint8_t* wb = (up ? g.w2 : g.w) + size_t(expert) * g.expert_w_bytes;
-      const uint32_t* sb = (up ? g.sb2 : g.sb) + size_t(expert) * g.expert_sb_words;
-      wrow[i] = n < g.N ? wb + size_t(n) * g.w_row_stride : nullptr;
-      sbrow[i] = n < g.N ? sb + size_t(n) * g.sb_row_stride : nullptr;
-    }
-    // k-step kt's x rows into its stage (once the consumers released it).
-    auto issue_x = [&](int kt) {
-      const int s = kt % S;
-      mbar_wait(bars + 8 * (S + s), ((kt / S) & 1) ^ 1);
-      uint8_t* xs = gbase + s * C::kStageBytes;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int idx = tid + 128 * i, r = idx >> 3, c = idx & 7;
-        const int src = s_arow[r];
-        const uint16_t* p = g.x + (src >= 0 ? size_t(src) * g.ldx + kt * kBK + c * 8 : 0);
-        cp_async16(xs + r * 128 + ((c ^ (r & 7)) << 4), p, src >= 0 ? 16 : 0);
-      }
-    };
-    // k-step kt's raw codes of this thread's rows into the ring (each thread
-    // later expands exactly the codes it copied, so the ring needs no barrier).
-    auto issue_w = [&](int kt) {
-      uint8_t* raw = gbase + C::kRawOffset + (kt % RS) * R::kStageBytes;
-      constexpr int kCodeBytes = 16 * R::kChunks;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = tid + 128 * i;
-#pragma unroll
-        for (int c = 0; c < R::kChunks; ++c)
-          cp_async16(raw + (c * kMoeBN + r) * 16, wrow[i] ? wrow[i] + size_t(kt) * kCodeBytes + c * 16 : g.w,
-                     wrow[i] ? 16 : 0);
-        cp_async4(raw + kMoeBN * kCodeBytes + r * 4, sbrow[i] ? sbrow[i] + kt : g.sb, sbrow[i] ? 4 : 0);
-      }
-    };
-    // One commit group per step: the prologue's group j holds codes j (and x
-    // rows 0), iteration kt's holds codes kt + kAhead and x rows kt + 1, so
-    // with one group left pending both of k-step kt have landed.
-#pragma unroll
-    for (int j = 0; j < R::kAhead; ++j) {
-      if (j < KT) issue_w(j);
-      if (j == 0) issue_x(0);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < KT; ++kt) {
-      if (kt + R::kAhead < KT) issue_w(kt + R::kAhead);
-      if (kt + 1 < KT) issue_x(kt + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-      const uint8_t* raw = gbase + C::kRawOffset + (kt % RS) * R::kStageBytes;
-      uint8_t* ws = gbase + (kt % S) * C::kStageBytes + C::kABytes;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int r = tid + 128 * i;
-        const float2 sc = scale_bias(reinterpret_cast<const uint32_t*>(raw + kMoeBN * 16 * R::kChunks)[r], g.sb_f16);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // 32 weights each
-          uint4 o[4];
-          if constexpr (F == kQ4) {
-            const uint4 c = *reinterpret_cast<const uint4*>(raw + (h * kMoeBN + r) * 16);
-            if (g.sb_f16 || g.kt_per_split == -7)  // TEMP: -7 = f32 expansion for comparison
-              dequant_q4x32(c, sc, o);
-            else
-              dequant_q4x32_bf16x2(c, reinterpret_cast<const uint32_t*>(raw + kMoeBN * 16 * R::kChunks)[r], o);
-          } else {
-            dequant_q8x32(*reinterpret_cast<const uint4*>(raw + (2 * h * kMoeBN + r) * 16),
-                          *reinterpret_cast<const uint4*>(raw + ((2 * h + 1) * kMoeBN + r) * 16), sc, o);
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            *reinterpret_cast<uint4*>(ws + r * 128 + (((4 * h + j) ^ (r & 7)) << 4)) = o[j];
-        }
-      }
-      fence_proxy_async();  // the x rows (cp.async) and the expanded weights, for wgmma
-      mbar_arrive(bars + 8 * (kt % S));
-    }
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
-    TmaParams p;
-    p.M = 0;
-    p.N = g.N;
-    p.K = g.K;
-    p.y = g.y;
-    p.ldy = g.ldy;
-    p.out_kind = g.out_kind;
-    p.paired = g.ldy % 2 == 0 && g.N % 2 == 0;
-    consume<kMoeBN, S, SWIGLU>(base, bars, KT, m0, rows_valid, n0, p);
   }
 }
 
@@ -408,13 +260,8 @@ void launch_ws(size_t smem, dim3 grid, cudaStream_t s, const char* what, const A
 template <int BN, bool SWIGLU>
 void launch_tma(const CUtensorMap& xm, const CUtensorMap& wm, const CUtensorMap& um, const TmaParams& p, dim3 grid,
                 cudaStream_t s) {
-  using C = std::conditional_t<BN == 256, DenseCfg256, DenseCfg128>;
+  using C = TmaCfgFor<BN>;
   launch_ws<gemm_tma_kernel<BN, SWIGLU>>(C::kSmem, grid, s, "prefill TMA gemm kernel", xm, wm, um, p);
-}
-
-template <int F, bool SWIGLU>
-void launch_moe(const GemmParams& g, dim3 grid, cudaStream_t s) {
-  launch_ws<moe_ws_kernel<F, SWIGLU>>(MoeCfg<F>::kSmem, grid, s, "prefill MoE gemm kernel", g);
 }
 
 size_t row_bytes(const PrefillWeight& w) { return w.row_stride_bytes ? w.row_stride_bytes : size_t(w.cols) * 2; }
@@ -424,9 +271,7 @@ size_t row_bytes(const PrefillWeight& w) { return w.row_stride_bytes ? w.row_str
 namespace prefill_detail {
 
 bool tma_gemm_fits(const PrefillWeight& w, int T, int min_rows) {
-  static const bool off = getenv("LILY_TMA_OFF") != nullptr;  // TEMP comparison
-  if (off) return false;
-  return w.fmt == PrefillWeightFormat::BF16 && T >= min_rows && w.expert_w_bytes == 0;
+  return w.fmt == PrefillWeightFormat::BF16 && T >= min_rows;
 }
 
 void tma_gemm(const PrefillWeight& w, const PrefillWeight* up, const uint16_t* x, int T, size_t ldx, void* y,
@@ -456,18 +301,6 @@ void tma_gemm(const PrefillWeight& w, const PrefillWeight* up, const uint16_t* x
     up ? launch_tma<256, true>(xm, wm, um, p, grid, stream) : launch_tma<256, false>(xm, wm, um, p, grid, stream);
   else
     up ? launch_tma<128, true>(xm, wm, um, p, grid, stream) : launch_tma<128, false>(xm, wm, um, p, grid, stream);
-}
-
-bool moe_ws_fits(PrefillWeightFormat fmt, int tile_rows) {
-  return (fmt == PrefillWeightFormat::Q4 || fmt == PrefillWeightFormat::Q8) && tile_rows == kBM;
-}
-
-void moe_ws_gemm(PrefillWeightFormat fmt, const GemmParams& g, bool swiglu, int max_tiles, cudaStream_t stream) {
-  const dim3 grid(max_tiles, ((swiglu ? 2 * g.N : g.N) + kMoeBN - 1) / kMoeBN);
-  if (fmt == PrefillWeightFormat::Q4)
-    swiglu ? launch_moe<kQ4, true>(g, grid, stream) : launch_moe<kQ4, false>(g, grid, stream);
-  else
-    swiglu ? launch_moe<kQ8, true>(g, grid, stream) : launch_moe<kQ8, false>(g, grid, stream);
 }
 
 }  // namespace prefill_detail
