@@ -35,8 +35,8 @@ void timed_stages(float (&ms)[N], Run&& run) {
 int sm_count();
 
 // bf16 weights and many rows: the TMA-fed warp-specialized wgmma GEMM
-// (prefill_gemm_tma.cu). tma_gemm_fits says whether it takes this call (bf16,
-// not a stack, T >= min_rows); with `up` the call is SwiGLU (gate = w) with a
+// (prefill_gemm_tma.cu). tma_gemm_fits says whether it takes this call (bf16
+// weights, T >= min_rows); with `up` the call is SwiGLU (gate = w) with a
 // bf16 output.
 bool tma_gemm_fits(const PrefillWeight& w, int T, int min_rows = 128);
 void tma_gemm(const PrefillWeight& w, const PrefillWeight* up, const uint16_t* x, int T, size_t ldx, void* y,
