@@ -244,24 +244,20 @@ CUtensorMap bf16_map(const void* p, int rows, int cols, size_t row_bytes, int bo
   return m;
 }
 
-// Raises the kernel's dynamic shared-memory limit once (per kernel: it is a
-// template argument), then launches it.
-template <auto Kernel, typename... Args>
-void launch_ws(size_t smem, dim3 grid, cudaStream_t s, const char* what, const Args&... args) {
-  static const bool attr_ok = [&] {
-    check(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), what);
-    return true;
-  }();
-  (void)attr_ok;
-  Kernel<<<grid, kThreads, smem, s>>>(args...);
-  check_launch(what);
-}
-
+// Raises each kernel's dynamic shared-memory limit once, then launches it.
 template <int BN, bool SWIGLU>
 void launch_tma(const CUtensorMap& xm, const CUtensorMap& wm, const CUtensorMap& um, const TmaParams& p, dim3 grid,
                 cudaStream_t s) {
-  using C = TmaCfgFor<BN>;
-  launch_ws<gemm_tma_kernel<BN, SWIGLU>>(C::kSmem, grid, s, "prefill TMA gemm kernel", xm, wm, um, p);
+  auto kernel = gemm_tma_kernel<BN, SWIGLU>;
+  constexpr size_t smem = TmaCfgFor<BN>::kSmem;
+  static const bool attr_ok = [&] {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+          "cudaFuncSetAttribute(prefill TMA gemm kernel)");
+    return true;
+  }();
+  (void)attr_ok;
+  kernel<<<grid, kThreads, smem, s>>>(xm, wm, um, p);
+  check_launch("prefill TMA gemm kernel");
 }
 
 size_t row_bytes(const PrefillWeight& w) { return w.row_stride_bytes ? w.row_stride_bytes : size_t(w.cols) * 2; }
