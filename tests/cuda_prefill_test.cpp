@@ -380,6 +380,47 @@ TEST(CudaPrefillGemm, ExpandedWeightsMatchCpu) {
   run_gemm_case(PrefillWeightFormat::BF16, 77, 200, 128, PrefillOut::F32, false, 74, true);  // bf16: no expansion
 }
 
+// Several projections of one input into adjacent output columns: expanded
+// into one bf16 matrix and run as one GEMM (all quantized, scratch big
+// enough), or one GEMM per part (a bf16 part, no scratch).
+TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
+  REQUIRE_GPU();
+  const int T = 150, K = 192;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "variant " << variant);
+    Rng r(80 + variant);
+    const PrefillWeightFormat f2 = variant == 2 ? PrefillWeightFormat::BF16 : PrefillWeightFormat::Q8;
+    HostWeight w[3] = {make_weight(r, PrefillWeightFormat::Q4, 200, K), make_weight(r, f2, 40, K),
+                       make_weight(r, PrefillWeightFormat::Q4, 8, K, true)};
+    const int N = 248;
+    std::vector<float> deq;
+    for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+    const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
+    DevWeight d0 = upload_weight(w[0]), d1 = upload_weight(w[1]), d2 = upload_weight(w[2]);
+    const PrefillWeight parts[3] = {d0.view, d1.view, d2.view};
+    Dev x = upload(xb);
+    const size_t ldy = N + 5;
+    std::vector<float> init(size_t(T) * ldy);
+    for (auto& v : init) v = r.uniform(-1, 1);
+    Dev y = upload(init);
+    Dev scr(size_t(N) * K * 2);
+    const PrefillScratch sc = variant == 1 ? PrefillScratch{} : PrefillScratch{scr.p, scr.bytes, 1};
+    prefill_gemm_fused(parts, 3, x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr, sc);
+    const auto h = download<float>(y, init.size());
+    std::vector<float> got(size_t(T) * N);
+    for (int t = 0; t < T; ++t) {
+      for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
+      for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
+    }
+    const double e = rel_err(got, ref);
+    std::printf("  fused parts variant %d: rel err %.3g\n", variant, e);
+    EXPECT_LT(e, kTolQuant);
+  }
+}
+
 TEST(CudaPrefillGemm, RejectsBadShapes) {
   REQUIRE_GPU();
   PrefillWeight w;
@@ -441,9 +482,10 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 // tile_rows: 0 = the launcher's choice, 64 or 128 forced (128: the choice at
 // >= 96 rows per expert, wgmma).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
-                  PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0) {
+                  PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " k " << k << " hidden " << hidden
-                                    << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows);
+                                    << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows
+                                    << " ldo pad " << ldo_pad);
   Rng r(seed);
   // Stacked experts: one HostWeight of E*rows rows is the stack.
   HostWeight g = make_weight(r, fmt, E * inter, hidden);
@@ -501,8 +543,13 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     return v;
   };
   Dev x = upload(xb), dl = upload(logits), dsh = upload(sh), dsg = upload(sg);
-  std::vector<float> poison(size_t(T) * hidden, NAN);
-  Dev out = upload(accumulate ? init : poison);
+  // The output rows are hidden + ldo_pad apart (an odd pad takes the
+  // combine's unvectorised path); the pad columns must stay untouched.
+  const size_t ldo = size_t(hidden) + ldo_pad;
+  std::vector<float> out0(size_t(T) * ldo, 7.f);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < hidden; ++j) out0[size_t(t) * ldo + j] = accumulate ? init[size_t(t) * hidden + j] : NAN;
+  Dev out = upload(out0);
   PrefillMoeArgs a;
   a.T = T;
   a.E = E;
@@ -523,14 +570,20 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     a.ld_shared_gate = 1;
   }
   a.out = out.as<float>();
-  a.ldo = hidden;
+  a.ldo = ldo;
   a.accumulate = accumulate;
   a.workspace_bytes = prefill_moe_workspace_bytes(T, E, k, hidden, inter);
   a.tile_rows = tile_rows;
   Dev ws(a.workspace_bytes);
   a.workspace = ws.p;
   prefill_moe(a, nullptr);
-  const double e = rel_err(download<float>(out, ref.size()), ref);
+  const std::vector<float> h = download<float>(out, out0.size());
+  std::vector<float> got(ref.size());
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < hidden; ++j) got[size_t(t) * hidden + j] = h[size_t(t) * ldo + j];
+    for (size_t j = hidden; j < ldo; ++j) ASSERT_EQ(h[size_t(t) * ldo + j], 7.f) << "row " << t;
+  }
+  const double e = rel_err(got, ref);
   std::printf("  moe T=%d E=%d k=%d hidden=%d inter=%d fmt=%d tile=%d: rel err %.3g\n", T, E, k, hidden, inter,
               int(fmt), tile_rows, e);
   EXPECT_LT(e, 1e-2);
@@ -540,6 +593,7 @@ TEST(CudaPrefillMoe, MatchesCpuSmall) {
   REQUIRE_GPU();
   run_moe_case(300, 16, 4, 256, 128, true, false, 41);  // ~75 rows per expert: several 64-row tiles
   run_moe_case(7, 16, 4, 192, 64, false, true, 42);
+  run_moe_case(90, 16, 4, 192, 64, true, true, 43, PrefillWeightFormat::Q4, 0, 3);  // unaligned output rows
 }
 
 // 128-row tiles (the wgmma path of the grouped kernel) in q4, q8 and bf16:

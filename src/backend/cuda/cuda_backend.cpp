@@ -182,7 +182,7 @@ struct CudaBackend::Impl {
   std::string prefill_why;  // why runs of tokens take the decode path (empty: they don't)
   // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
   // pTok holds a whole forward's token ids.
-  DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSgl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSo, pMoeWs, pDnWs, pTok, pLogits;
   // Quantized dense weights expanded to bf16 for chunks of >= 1024 tokens
   // (PrefillScratch): room for the largest one (a SwiGLU pair counts twice).
   DeviceBuffer pWx;
@@ -770,15 +770,21 @@ struct CudaBackend::Impl {
     }
     pl = std::move(views);
     p_wx_bytes = 0;
-    auto need = [&](const PrefillWeight& w, size_t n) {
-      if (w.w && w.fmt != PrefillWeightFormat::BF16) p_wx_bytes = std::max(p_wx_bytes, n * w.rows * w.cols * 2);
+    // The scratch holds the largest expansion: one matrix, a SwiGLU pair, or
+    // a fused group (prefill_gemm_fused: together only when all are quantized).
+    auto need = [&](std::initializer_list<const PrefillWeight*> group, size_t copies = 1) {
+      size_t rows = 0;
+      for (const PrefillWeight* w : group)
+        if (w->w && w->fmt != PrefillWeightFormat::BF16) rows += size_t(w->rows);
+      if (rows) p_wx_bytes = std::max(p_wx_bytes, copies * rows * size_t((*group.begin())->cols) * 2);
     };
     for (const PrefillLayer& W : pl) {
-      for (const PrefillWeight* w : {&W.q, &W.k, &W.v, &W.o, &W.in_qkv, &W.in_z, &W.in_b, &W.in_a, &W.out,
-                                     &W.mlp_down, &W.router, &W.shared_gate, &W.sh_down})
-        need(*w, 1);
-      need(W.mlp_gate, 2);
-      need(W.sh_gate, 2);
+      need({&W.q, &W.k, &W.v});
+      need({&W.in_qkv, &W.in_z, &W.in_b, &W.in_a});
+      need({&W.router, &W.shared_gate});
+      for (const PrefillWeight* w : {&W.o, &W.out, &W.mlp_down, &W.sh_down}) need({w});
+      need({&W.mlp_gate}, 2);
+      need({&W.sh_gate}, 2);
     }
     std::string lm_why;
     lm_gemm_ok = prefill_view(lm_head->v, 1, 0, "lm_head", pw_lm, lm_why);
@@ -790,9 +796,9 @@ struct CudaBackend::Impl {
   // to `rows` tokens.
   struct PrefillSizes {
     size_t ld_act = 0, ld_proj = 0, ld_qg = 0;
-    size_t x = 0, xn = 0, act = 0, proj = 0, qg = 0, dn = 0, dn_ws = 0, rl = 0, sgl = 0, so = 0, moe_ws = 0,
-           logits = 0, wx = 0;
-    size_t total() const { return x + xn + act + proj + qg + dn + dn_ws + rl + sgl + so + moe_ws + logits + wx; }
+    size_t x = 0, xn = 0, act = 0, proj = 0, qg = 0, dn = 0, dn_ws = 0, rl = 0, so = 0, moe_ws = 0, logits = 0,
+           wx = 0;
+    size_t total() const { return x + xn + act + proj + qg + dn + dn_ws + rl + so + moe_ws + logits + wx; }
   };
   PrefillSizes prefill_sizes(int rows) const {
     PrefillSizes z;
@@ -821,8 +827,7 @@ struct CudaBackend::Impl {
                                                  c.linear_key_head_dim, c.linear_value_head_dim);
     }
     if (c.num_experts > 0) {
-      z.rl = r * c.num_experts * 4;
-      z.sgl = r * 4;
+      z.rl = r * (c.num_experts + 1) * 4;  // router logits and the shared gate's
       z.so = r * H * 4;
       z.moe_ws = prefill_moe_workspace_bytes(rows, c.num_experts, c.num_experts_per_tok, c.hidden_size,
                                              c.moe_intermediate_size);
@@ -851,7 +856,6 @@ struct CudaBackend::Impl {
     }
     if (c.num_experts > 0) {
       pRl.alloc(z.rl);
-      pSgl.alloc(z.sgl);
       pSo.alloc(z.so);
       pMoeWs.alloc(z.moe_ws);
     }
@@ -900,10 +904,9 @@ struct CudaBackend::Impl {
       prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
-        prefill_gemm(W.in_qkv, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
-        prefill_gemm(W.in_z, Xn, T, H, Pj + C, ldp, PrefillOut::F32, s, p_scr);
-        prefill_gemm(W.in_b, Xn, T, H, Pj + C + V, ldp, PrefillOut::F32, s, p_scr);
-        prefill_gemm(W.in_a, Xn, T, H, Pj + C + V + nv, ldp, PrefillOut::F32, s, p_scr);
+        // qkv | z | b | a side by side in Pj.
+        const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
+        prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
         PrefillDeltaNetArgs a;
         a.T = T;
         a.first_position = P;
@@ -932,10 +935,9 @@ struct CudaBackend::Impl {
         prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
       } else {
         const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
-        const int qdim = c.num_heads * qhs, kvdim = c.num_kv_heads * hd;
-        prefill_gemm(W.q, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
-        prefill_gemm(W.k, Xn, T, H, Pj + qdim, ldp, PrefillOut::F32, s, p_scr);
-        prefill_gemm(W.v, Xn, T, H, Pj + qdim + kvdim, ldp, PrefillOut::F32, s, p_scr);
+        const int qdim = c.num_heads * qhs;
+        const PrefillWeight qkv[3] = {W.q, W.k, W.v};  // q | k | v side by side in Pj
+        prefill_gemm_fused(qkv, 3, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
         AttnPrepParams ap;
         ap.proj = Pj;
         ap.ld_proj = ldp;
@@ -980,8 +982,12 @@ struct CudaBackend::Impl {
         prefill_gemm(W.mlp_down, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
         continue;
       }
+      // Router logits [T][E] and the shared expert's gate logit beside them
+      // (column E): one GEMM.
       const int E = c.num_experts;
-      prefill_gemm(W.router, Xn, T, H, pRl.as<float>(), E, PrefillOut::F32, s, p_scr);
+      const size_t ldr = size_t(E) + 1;
+      const PrefillWeight rg[2] = {W.router, W.shared_gate};
+      prefill_gemm_fused(rg, D.has_shared ? 2 : 1, Xn, T, H, pRl.as<float>(), ldr, PrefillOut::F32, s, p_scr);
       PrefillMoeArgs m;
       m.T = T;
       m.E = E;
@@ -991,19 +997,18 @@ struct CudaBackend::Impl {
       m.x = Xn;
       m.ldx = H;
       m.router_logits = pRl.as<float>();
-      m.ld_logits = E;
+      m.ld_logits = ldr;
       m.norm_topk = c.norm_topk_prob;
       m.gate = W.ex_gate;
       m.up = W.ex_up;
       m.down = W.ex_down;
       if (D.has_shared) {
-        prefill_gemm(W.shared_gate, Xn, T, H, pSgl.as<float>(), 1, PrefillOut::F32, s, p_scr);
         prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s, p_scr);
         prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s, p_scr);
         m.shared_out = pSo.as<float>();
         m.ld_shared = H;
-        m.shared_gate_logit = pSgl.as<float>();
-        m.ld_shared_gate = 1;
+        m.shared_gate_logit = pRl.as<float>() + E;
+        m.ld_shared_gate = ldr;
       }
       m.out = X;
       m.ldo = H;

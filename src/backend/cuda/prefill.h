@@ -71,6 +71,14 @@ struct PrefillScratch {
 // warp-specialized kernel.
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
                   size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch = {});
+// Projections of the same x whose outputs are adjacent column ranges of y
+// (part i starts at the sum of the rows of the parts before it), e.g. a
+// DeltaNet layer's qkv, z, b and a: when every part is quantized and the
+// scratch takes them all, they are expanded into one bf16 matrix and run as
+// one GEMM (small projections then cost no launch and no idle SMs of their
+// own); otherwise one prefill_gemm per part. All parts have the same columns.
+void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y,
+                        size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch = {});
 // h[T][N] (bf16) = silu(x . gate^T) * (x . up^T); gate and up both [N][K].
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
                          int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,

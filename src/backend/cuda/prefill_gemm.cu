@@ -337,22 +337,52 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   auto store_swiglu = [&](int r, int col, float g, float u) {
     static_cast<uint16_t*>(p.y)[size_t(m0 + r) * p.ldy + col] = f32_to_bf16_bits(p_silu(g) * u);
   };
+  // Two adjacent columns per store where the output allows it (even row
+  // stride, 8-byte aligned base, no split-K atomics).
+  auto store_pair = [&](int r, int col, float v0, float v1) {
+    const size_t o = size_t(m0 + r) * p.ldy + col;
+    if (p.out_kind == int(PrefillOut::BF16)) {
+      *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.y) + o) = pack_bf16x2(v0, v1);
+    } else {
+      float2* d = reinterpret_cast<float2*>(static_cast<float*>(p.y) + o);
+      if (p.out_kind == int(PrefillOut::F32Add)) {
+        const float2 c = *d;
+        v0 += c.x;
+        v1 += c.y;
+      }
+      *d = make_float2(v0, v1);
+    }
+  };
   if constexpr (kWG) {
+    const bool paired = !split && p.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 64 * wg + 16 * (warp & 3) + (lane >> 2) + half * 8;
       if (r >= rows_valid) continue;
 #pragma unroll
-      for (int j = 0; j < (SWIGLU ? 8 : 16); ++j)
+      for (int j = 0; j < (SWIGLU ? 8 : 16); ++j) {
+        const int col0 = nb0 + 8 * j + (lane & 3) * 2;
+        if (paired && col0 + 1 < p.N) {
+          const float* v = wacc + 4 * j + 2 * half;
+          if constexpr (SWIGLU) {
+            const float* u = wacc + 4 * (j + 8) + 2 * half;
+            *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.y) + size_t(m0 + r) * p.ldy + col0) =
+                pack_bf16x2(p_silu(v[0]) * u[0], p_silu(v[1]) * u[1]);
+          } else {
+            store_pair(r, col0, v[0], v[1]);
+          }
+          continue;
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int col = nb0 + 8 * j + (lane & 3) * 2 + e;
+          const int col = col0 + e;
           if (col >= p.N) continue;
           if constexpr (SWIGLU)
             store_swiglu(r, col, wacc[4 * j + 2 * half + e], wacc[4 * (j + 8) + 2 * half + e]);
           else
             store(r, col, wacc[4 * j + 2 * half + e]);
         }
+      }
     }
   } else {
 #pragma unroll
@@ -622,7 +652,12 @@ __global__ void moe_scatter_kernel(const int* ids, int n, int k, int* cursor, in
 }
 
 // out[t] (+)= sum_s w[t][s] * yp[slot_pos[t][s]] (+ sigmoid(sg[t]) * shared[t]).
-__global__ void moe_combine_kernel(const float* yp, int hidden, const int* slot_pos,
+// yp holds the experts' output rows in bf16 (half the bytes of f32 through
+// HBM twice: written by the down GEMM, read here); the sum is f32 in slot
+// order (deterministic). VEC: 8 columns per thread and step (hidden % 8 == 0,
+// 16-byte aligned rows).
+template <bool VEC>
+__global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* slot_pos,
                                    const float* weights, int k, const float* shared, size_t ld_shared,
                                    const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate) {
   const int t = blockIdx.x;
@@ -634,13 +669,47 @@ __global__ void moe_combine_kernel(const float* yp, int hidden, const int* slot_
   }
   __syncthreads();
   const float gs = shared ? p_sigmoid(sg[size_t(t) * ld_sg]) : 0.f;
-  for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
-    float acc = accumulate ? out[size_t(t) * ldo + j] : 0.f;
-    float m = 0.f;
-    for (int s = 0; s < k; ++s) m = fmaf(s_w[s], yp[size_t(s_pos[s]) * hidden + j], m);
-    acc += m;
-    if (shared) acc = fmaf(gs, shared[size_t(t) * ld_shared + j], acc);
-    out[size_t(t) * ldo + j] = acc;
+  float* o = out + size_t(t) * ldo;
+  const float* sh = shared ? shared + size_t(t) * ld_shared : nullptr;
+  if constexpr (VEC) {
+    for (int j = threadIdx.x * 8; j < hidden; j += blockDim.x * 8) {
+      float m[8] = {};
+      for (int s = 0; s < k; ++s) {
+        const uint4 v = *reinterpret_cast<const uint4*>(yp + size_t(s_pos[s]) * hidden + j);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          m[2 * i] = fmaf(s_w[s], bf16_lo(w[i]), m[2 * i]);
+          m[2 * i + 1] = fmaf(s_w[s], bf16_hi(w[i]), m[2 * i + 1]);
+        }
+      }
+      float4* o4 = reinterpret_cast<float4*>(o + j);
+      float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
+      if (accumulate) {
+        a0 = o4[0];
+        a1 = o4[1];
+      }
+      float r[8] = {a0.x + m[0], a0.y + m[1], a0.z + m[2], a0.w + m[3],
+                    a1.x + m[4], a1.y + m[5], a1.z + m[6], a1.w + m[7]};
+      if (sh) {
+        const float4 s0 = reinterpret_cast<const float4*>(sh + j)[0], s1 = reinterpret_cast<const float4*>(sh + j)[1];
+        const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = fmaf(gs, sv[i], r[i]);
+      }
+      o4[0] = make_float4(r[0], r[1], r[2], r[3]);
+      o4[1] = make_float4(r[4], r[5], r[6], r[7]);
+    }
+  } else {
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
+      float acc = accumulate ? o[j] : 0.f;
+      float m = 0.f;
+      for (int s = 0; s < k; ++s)
+        m = fmaf(s_w[s], __uint_as_float(uint32_t(yp[size_t(s_pos[s]) * hidden + j]) << 16), m);
+      acc += m;
+      if (sh) acc = fmaf(gs, sh[j], acc);
+      o[j] = acc;
+    }
   }
 }
 
@@ -672,7 +741,7 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
   L.tile_rows = take(size_t(L.max_tiles) * 4);
   L.num_tiles = take(4);
   L.h = take(n * inter * 2);
-  L.yp = take(n * hidden * 4);
+  L.yp = take(n * hidden * 2);
   L.total = off;
   return L;
 }
@@ -724,6 +793,40 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
     }
   }
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
+}
+
+void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y,
+                        size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
+  if (n <= 0 || !parts) fail("prefill_gemm_fused: no weights");
+  size_t rows = 0;
+  bool quant = true;
+  for (int i = 0; i < n; ++i) {
+    validate_weight(parts[i], "prefill_gemm_fused");
+    if (parts[i].cols != parts[0].cols) fail("prefill_gemm_fused: parts have different columns");
+    rows += size_t(parts[i].rows);
+    quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
+  }
+  const size_t cols = size_t(parts[0].cols);
+  if (n > 1 && quant && scratch.p && T >= scratch.min_rows && scratch.bytes >= rows * cols * 2 && rows <= (1u << 30)) {
+    uint16_t* d = static_cast<uint16_t*>(scratch.p);
+    size_t off = 0;
+    for (int i = 0; i < n; ++i) {
+      expand_bf16(parts[i], d + off * cols, stream);
+      off += size_t(parts[i].rows);
+    }
+    PrefillWeight all;
+    all.fmt = PrefillWeightFormat::BF16;
+    all.rows = int(rows);
+    all.cols = int(cols);
+    all.w = d;
+    return prefill_gemm(all, x, T, ldx, y, ldy, out, stream);
+  }
+  const size_t esize = out == PrefillOut::BF16 ? 2 : 4;
+  size_t col = 0;
+  for (int i = 0; i < n; ++i) {
+    prefill_gemm(parts[i], x, T, ldx, static_cast<char*>(y) + col * esize, ldy, out, stream, scratch);
+    col += size_t(parts[i].rows);
+  }
 }
 
 void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, const uint16_t* x,
@@ -811,7 +914,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   int* tile_rows = reinterpret_cast<int*>(ws + L.tile_rows);
   int* num_tiles = reinterpret_cast<int*>(ws + L.num_tiles);
   uint16_t* h = reinterpret_cast<uint16_t*>(ws + L.h);
-  float* yp = reinterpret_cast<float*>(ws + L.yp);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(ws + L.yp);
 
   const int n = a.T * a.k;
   // Rows per expert on average decide the tile height.
@@ -859,13 +962,16 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.num_tiles = num_tiles;
   q.y = yp;
   q.ldy = a.hidden;
-  q.out_kind = int(PrefillOut::F32);
+  q.out_kind = int(PrefillOut::BF16);
   launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
 
-  moe_combine_kernel<<<a.T, 256, 0, stream>>>(yp, a.hidden, slot_pos, weights, a.k, a.shared_out,
-                                              a.ld_shared, a.shared_gate_logit, a.ld_shared_gate,
-                                              a.out, a.ldo, a.accumulate ? 1 : 0);
+  auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
+  const bool vec = a.hidden % 8 == 0 && a.ldo % 4 == 0 && aligned16(a.out) &&
+                   (!a.shared_out || (a.ld_shared % 4 == 0 && aligned16(a.shared_out)));
+  (vec ? moe_combine_kernel<true> : moe_combine_kernel<false>)<<<a.T, 256, 0, stream>>>(
+      yp, a.hidden, slot_pos, weights, a.k, a.shared_out, a.ld_shared, a.shared_gate_logit, a.ld_shared_gate,
+      a.out, a.ldo, a.accumulate ? 1 : 0);
   check_launch("moe_combine_kernel");
   mark(4);
 }
