@@ -482,15 +482,16 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 // tile_rows: 0 = the launcher's choice, 64 or 128 forced (128: the choice at
 // >= 96 rows per expert, wgmma).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
-                  PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0) {
+                  PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
+                  bool sb_f16 = false) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " k " << k << " hidden " << hidden
                                     << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows
-                                    << " ldo pad " << ldo_pad);
+                                    << " ldo pad " << ldo_pad << " f16 scales " << sb_f16);
   Rng r(seed);
   // Stacked experts: one HostWeight of E*rows rows is the stack.
-  HostWeight g = make_weight(r, fmt, E * inter, hidden);
-  HostWeight u = make_weight(r, fmt, E * inter, hidden);
-  HostWeight d = make_weight(r, fmt, E * hidden, inter);
+  HostWeight g = make_weight(r, fmt, E * inter, hidden, sb_f16);
+  HostWeight u = make_weight(r, fmt, E * inter, hidden, sb_f16);
+  HostWeight d = make_weight(r, fmt, E * hidden, inter, sb_f16);
   const size_t bits = fmt == PrefillWeightFormat::Q4 ? 4 : fmt == PrefillWeightFormat::Q8 ? 8 : 16;
   std::vector<uint16_t> xb;
   std::vector<float> xf;
@@ -605,6 +606,9 @@ TEST(CudaPrefillMoe, MatchesCpuTallTiles) {
   run_moe_case(600, 4, 1, 192, 128, false, true, 45, PrefillWeightFormat::Q4, 128);
   run_moe_case(200, 4, 2, 320, 128, true, true, 46, PrefillWeightFormat::Q8, 128);
   run_moe_case(150, 4, 2, 128, 64, false, false, 47, PrefillWeightFormat::BF16, 128);
+  run_moe_case(96, 32, 8, 2048, 512, true, false, 48, PrefillWeightFormat::Q4, 128);  // the model's expert shape
+  run_moe_case(300, 8, 2, 256, 192, true, true, 49, PrefillWeightFormat::Q4, 128, 0, true);  // f16 scales
+  run_moe_case(300, 8, 2, 256, 192, true, true, 50, PrefillWeightFormat::Q4, 64, 0, true);
 }
 
 TEST(CudaPrefillMoe, MatchesCpuModelShape) {
@@ -1148,8 +1152,13 @@ TEST(CudaPrefillBench, Moe) {
   BenchWeight g = bench_weight(PrefillWeightFormat::Q4, I, H, 21, E), u = bench_weight(PrefillWeightFormat::Q4, I, H, 22, E),
               d = bench_weight(PrefillWeightFormat::Q4, H, I, 23, E);
   std::printf("\n| MoE T | tile rows | ms | useful TFLOP/s | of 790 | tok/s | route ms | gate/up ms | down ms | combine ms |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  // LILY_MOE_BENCH_T / LILY_MOE_BENCH_BM restrict the table to one prompt
+  // length / tile height (e.g. to profile one launch).
+  const int only_t = std::getenv("LILY_MOE_BENCH_T") ? std::atoi(std::getenv("LILY_MOE_BENCH_T")) : 0;
+  const int only_bm = std::getenv("LILY_MOE_BENCH_BM") ? std::atoi(std::getenv("LILY_MOE_BENCH_BM")) : 0;
   for (int T : {512, 2048, 4096, 16384})
   for (int bm : {64, 128}) {
+    if ((only_t && T != only_t) || (only_bm && bm != only_bm)) continue;
     Dev x(size_t(T) * H * 2), logits(size_t(T) * E * 4), out(size_t(T) * H * 4);
     fill_bf16(x, 3, 1.f);
     std::vector<float> hl(size_t(T) * E);
