@@ -131,21 +131,28 @@ struct WTile {
   // Bytes of one pipeline stage of the raw weight tile.
   static constexpr int code_bytes_per_row = F == kBF16 ? 128 : F == kQ4 ? 32 : 64;
   static constexpr int codes = kBN * code_bytes_per_row;
-  static constexpr int stage_bytes = codes + (F == kBF16 ? 0 : kBN * 4);
+  // Quantized: room for one scale/bias word per (row, half row): with 128-row
+  // tiles each thread copies exactly the codes and the word it expands (no
+  // barrier between its cp.async wait and the expansion).
+  static constexpr int stage_bytes = codes + (F == kBF16 ? 0 : kBN * 2 * 4);
 };
 
+// Quantized weights expand into one bf16 tile, or two with 128-row tiles
+// (the expansion of k-step kt + 1 overlaps the wgmma of kt).
 template <int F, int BM>
 constexpr size_t gemm_smem_bytes() {
   return size_t(kStages) * BM * 128 + size_t(kStages) * WTile<F>::stage_bytes +
-         (F == kBF16 ? 0 : kBN * 128) + BM * sizeof(int);
+         (F == kBF16 ? 0 : (BM == 128 ? 2 : 1) * kBN * 128) + BM * sizeof(int);
 }
 
 // Expand one stage of raw codes into the bf16 tile Wd (swizzled rows of 64).
-template <int F>
+// PER_HALF: the scale/bias words are stored per (row, half row) (128-row
+// tiles), else per row.
+template <int F, bool PER_HALF>
 __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd, int sb_f16) {
   const int tid = threadIdx.x;
   const int r = tid >> 1, h = tid & 1;  // row, half of the 64 inputs
-  const uint32_t sbw = reinterpret_cast<const uint32_t*>(stage + WTile<F>::codes)[r];
+  const uint32_t sbw = reinterpret_cast<const uint32_t*>(stage + WTile<F>::codes)[PER_HALF ? tid : r];
   const float2 s = scale_bias(sbw, sb_f16);
   uint16_t* row = Wd + r * 64;
   if constexpr (F == kQ4) {
@@ -179,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   uint16_t* Xs = reinterpret_cast<uint16_t*>(smem);
   uint16_t* Wd = reinterpret_cast<uint16_t*>(smem + size_t(kStages) * BM * 128);
-  uint8_t* Wst = reinterpret_cast<uint8_t*>(Wd) + (QUANT ? kBN * 128 : 0);
+  uint8_t* Wst = reinterpret_cast<uint8_t*>(Wd) + (QUANT ? (kWG ? 2 : 1) * kBN * 128 : 0);
   int* s_arow = reinterpret_cast<int*>(Wst + size_t(kStages) * WTile<F>::stage_bytes);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -251,6 +258,22 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
         const uint8_t* src = n >= 0 ? base + size_t(n) * row_bytes + size_t(k0 + c * 8) * 2 : p.w;
         cp_async16(wt + r * 64 + ((c ^ (r & 7)) << 3), src, n >= 0 ? 16 : 0);
       }
+    } else if constexpr (kWG) {
+      // Thread tid: row tid / 2, half tid % 2 (what dequant_tile expands).
+      constexpr int CPH = WTile<F>::code_bytes_per_row / 32;  // 16-byte chunks per half row
+      const int r = tid >> 1, h = tid & 1;
+      const uint8_t* base;
+      const uint32_t* sbase;
+      const int n = wrow(r, base, sbase);
+#pragma unroll
+      for (int c = 0; c < CPH; ++c) {
+        const uint8_t* src = n >= 0 ? base + size_t(n) * row_bytes + size_t(k0) * (F == kQ4 ? 1 : 2) / 2 +
+                                          (h * CPH + c) * 16
+                                    : p.w;
+        cp_async16(ws + r * WTile<F>::code_bytes_per_row + (h * CPH + c) * 16, src, n >= 0 ? 16 : 0);
+      }
+      const uint32_t* src = n >= 0 ? sbase + size_t(n) * p.sb_row_stride + kt : p.sb;
+      cp_async4(ws + WTile<F>::codes + tid * 4, src, n >= 0 ? 4 : 0);
     } else {
       constexpr int CPR = WTile<F>::code_bytes_per_row / 16;  // 16-byte chunks per row
 #pragma unroll
@@ -292,6 +315,45 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     cp_async_commit();
   }
 
+  if constexpr (kWG && QUANT) {
+    // 128-row tiles of quantized weights: the wgmma of k-step kt runs while
+    // every thread expands its own half row of kt + 1 into the other bf16
+    // tile (each thread copied exactly those codes and that scale word, so
+    // its own cp.async wait suffices); one barrier per k-step publishes the
+    // expansion and frees the stage the MMAs of kt - 1 read. A warpgroup with
+    // no valid row runs the same loop without MMAs (the branch is taken once,
+    // outside the loop, so no wgmma sits in a divergent path: ptxas would
+    // serialise them); both arrive at the same named barrier.
+    cp_async_wait<kStages - 2>();
+    dequant_tile<F, true>(Wst, Wd, p.sb_f16);
+    auto main_loop = [&](auto with_mma) {
+      for (int kt = 0; kt < KT; ++kt) {
+        fence_proxy_async();
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+        const int nk = kt + kStages - 1;
+        if (nk < KT) load_stage(nk % kStages, nk);
+        cp_async_commit();
+        if constexpr (decltype(with_mma)::value) {
+          const uint16_t* xt = Xs + size_t(kt % kStages) * BM * 64 + 64 * wg * 64;
+          const uint16_t* wt = Wd + size_t(kt & 1) * kBN * 64;
+          wg_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) wgmma_n128(wacc, wg_desc(xt + kk * 16), wg_desc(wt + kk * 16));
+          wg_commit();
+        }
+        if (kt + 1 < KT) {
+          cp_async_wait<kStages - 2>();
+          dequant_tile<F, true>(Wst + size_t((kt + 1) % kStages) * WTile<F>::stage_bytes, Wd + size_t((kt + 1) & 1) * kBN * 64,
+                          p.sb_f16);
+        }
+        if constexpr (decltype(with_mma)::value) wg_wait<0>();
+      }
+    };
+    if (64 * wg < rows_valid)
+      main_loop(std::true_type{});
+    else
+      main_loop(std::false_type{});
+  } else
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 2>();
     if constexpr (kWG) fence_proxy_async();
@@ -305,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     const uint16_t* xt = Xs + size_t(stage) * BM * 64;
     const uint16_t* wt;
     if constexpr (QUANT) {
-      dequant_tile<F>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
+      dequant_tile<F, kWG>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
       if constexpr (kWG) fence_proxy_async();
       __syncthreads();
       wt = Wd;
