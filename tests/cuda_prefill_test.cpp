@@ -480,7 +480,7 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 }
 
 // tile_rows: 0 = the launcher's choice, 64 or 128 forced (128: the choice at
-// >= 96 rows per expert, wgmma).
+// >= 32 rows per expert, wgmma).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
                   PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
                   bool sb_f16 = false) {
@@ -592,7 +592,7 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
 
 TEST(CudaPrefillMoe, MatchesCpuSmall) {
   REQUIRE_GPU();
-  run_moe_case(300, 16, 4, 256, 128, true, false, 41);  // ~75 rows per expert: several 64-row tiles
+  run_moe_case(300, 16, 4, 256, 128, true, false, 41);  // ~75 rows per expert: 128-row tiles, partly filled
   run_moe_case(7, 16, 4, 192, 64, false, true, 42);
   run_moe_case(90, 16, 4, 192, 64, true, true, 43, PrefillWeightFormat::Q4, 0, 3);  // unaligned output rows
 }
@@ -1156,7 +1156,7 @@ TEST(CudaPrefillBench, Moe) {
   // length / tile height (e.g. to profile one launch).
   const int only_t = std::getenv("LILY_MOE_BENCH_T") ? std::atoi(std::getenv("LILY_MOE_BENCH_T")) : 0;
   const int only_bm = std::getenv("LILY_MOE_BENCH_BM") ? std::atoi(std::getenv("LILY_MOE_BENCH_BM")) : 0;
-  for (int T : {512, 2048, 4096, 16384})
+  for (int T : {512, 1024, 2048, 4096, 16384})
   for (int bm : {64, 128}) {
     if ((only_t && T != only_t) || (only_bm && bm != only_bm)) continue;
     Dev x(size_t(T) * H * 2), logits(size_t(T) * E * 4), out(size_t(T) * H * 4);
