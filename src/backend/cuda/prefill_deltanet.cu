@@ -144,53 +144,61 @@ struct PrepParams {
   float* g;    // [T][nv]
 };
 
-// Warp per (token, head of D channels): the causal conv1d over this call's
-// rows or the ring, SiLU, and for q / k heads the L2 norm (q also
-// / sqrt(D)); lane l takes channels l, l + 32, ... Every load of a warp is
-// issued before its first use, and no block waits for another. Threads also
-// compute the gates, one (token, value head) each.
+// Warp per (kPrepRows consecutive tokens, head of D channels): the causal
+// conv1d over this call's rows or the ring, SiLU, and for q / k heads the L2
+// norm (q also / sqrt(D)); lane l takes channels l, l + 32, ... The warp loads
+// each of the kPrepRows + 3 input rows it needs once (a warp per token would
+// load each 4 times), all before the first use; no block waits for another.
+// Threads also compute the gates, one (token, value head) each.
+constexpr int kPrepRows = 4;
 template <int D>
 __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p) {
-  constexpr int kD = D, kPer = D / 32;
+  constexpr int kD = D, kPer = D / 32, R = kPrepRows, NX = R + kConvK - 1;
   const int H2 = 2 * p.nk + p.nv;
   const int lane = threadIdx.x & 31;
   const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long w = gid >> 5;
-  if (w < static_cast<long long>(p.T) * H2) {
-    const int t = static_cast<int>(w / H2), hh = static_cast<int>(w % H2);
-    float x[kPer][kConvK], v[kPer];
+  if (w < static_cast<long long>((p.T + R - 1) / R) * H2) {
+    const int t0 = static_cast<int>(w / H2) * R, hh = static_cast<int>(w % H2);
+    float x[kPer][NX], cw[kPer][kConvK];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int ch = hh * kD + lane + 32 * i;
 #pragma unroll
-      for (int j = 0; j < kConvK; ++j) {
-        const int idx = t - (kConvK - 1) + j;
+      for (int j = 0; j < kConvK; ++j) cw[i][j] = __ldg(p.conv_w + size_t(ch) * kConvK + j);
+#pragma unroll
+      for (int j = 0; j < NX; ++j) {
+        const int idx = t0 - (kConvK - 1) + j;
         const int pos = p.P + idx;
-        x[i][j] = idx >= 0 ? p.qkv[size_t(idx) * p.ld_qkv + ch]
+        x[i][j] = idx >= 0 ? (idx < p.T ? p.qkv[size_t(idx) * p.ld_qkv + ch] : 0.f)
                            : (pos >= 0 ? p.ring[size_t(ch) * kConvK + pos % kConvK] : 0.f);
       }
     }
-    float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const float* cw = p.conv_w + size_t(hh * kD + lane + 32 * i) * kConvK;
-      float s = 0.f;
+    for (int r = 0; r < R; ++r) {
+      float v[kPer], ss = 0.f;
 #pragma unroll
-      for (int j = 0; j < kConvK; ++j) s = fmaf(__ldg(cw + j), x[i][j], s);
-      v[i] = s / (1.f + expf(-s));
-      ss = fmaf(v[i], v[i], ss);
+      for (int i = 0; i < kPer; ++i) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < kConvK; ++j) s = fmaf(cw[i][j], x[i][r + j], s);
+        v[i] = s / (1.f + expf(-s));
+        ss = fmaf(v[i], v[i], ss);
+      }
+      if (hh < 2 * p.nk) {
+        ss = p_warp_sum(ss);
+        float inv = 1.f / sqrtf(ss + 1e-6f);
+        if (hh < p.nk) inv *= 1.f / sqrtf(float(kD));
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) v[i] *= inv;
+      }
+      if (t0 + r < p.T) {
+        // q is only ever an MMA operand (q k^T, q S): stored rounded to TF32.
+        float* out = p.act + size_t(t0 + r) * p.C + hh * kD;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = hh < p.nk ? round_tf32(v[i]) : v[i];
+      }
     }
-    if (hh < 2 * p.nk) {
-      ss = p_warp_sum(ss);
-      float inv = 1.f / sqrtf(ss + 1e-6f);
-      if (hh < p.nk) inv *= 1.f / sqrtf(float(kD));
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) v[i] *= inv;
-    }
-    // q is only ever an MMA operand (q k^T, q S): stored rounded to TF32.
-    float* out = p.act + size_t(t) * p.C + hh * kD;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) out[lane + 32 * i] = hh < p.nk ? round_tf32(v[i]) : v[i];
   }
   if (gid < static_cast<long long>(p.T) * p.nv) {
     const int t = static_cast<int>(gid / p.nv), h = static_cast<int>(gid % p.nv);
@@ -686,7 +694,8 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
 
   PrepParams pp{a.qkv, a.ld_qkv, a.a, a.b, a.ld_ab, a.conv_w, a.conv_ring, a.a_log, a.dt_bias,
                 a.T, a.first_position, a.nk, a.nv, C, act, beta, g};
-  const long long prep_threads = std::max<long long>(32LL * a.T * (2 * a.nk + a.nv), 1LL * a.T * a.nv);
+  const long long prep_threads =
+      std::max<long long>(32LL * ((a.T + kPrepRows - 1) / kPrepRows) * (2 * a.nk + a.nv), 1LL * a.T * a.nv);
   mark(0);
   dn_prep_kernel<D><<<static_cast<unsigned>((prep_threads + kDnThreads - 1) / kDnThreads), kDnThreads, 0, stream>>>(pp);
   check_launch("dn_prep_kernel");
