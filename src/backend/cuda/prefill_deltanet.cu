@@ -347,44 +347,59 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
   }
   __syncthreads();
 
-  // U = (I + X)(beta v), W = (I + X)(beta e^c k), 64 x D each: warp (mr, nh)
-  // computes rows 16 mr .. and columns nh D/2 .. (D/16 tiles), U then W. X is
-  // strictly lower, so only its first 16 (mr + 1) columns are read.
+  // U = (I + X)(beta v), W = (I + X)(beta e^c k), 64 x D each, U then W. X
+  // is strictly lower, so row block m (16 rows) reads only its first
+  // 16 (m + 1) columns: warp w takes the row blocks rb = w % 2 and 3 - rb (the
+  // same work for every warp) and the column quarter w / 2 (D / 32 tiles); the
+  // B fragments of the k-steps both row blocks need are loaded once.
   {
-    constexpr int NT = kD / 16;
+    constexpr int NT = kD / 32;
+    const int rb[2] = {warp & 1, 3 - (warp & 1)}, c0 = (warp >> 1) * (kD / 4);
 #pragma unroll 1
     for (int which = 0; which < 2; ++which) {
       const float* B = which ? Ks : Vs;
       const int ldb = which ? kPad : kPadT;
-      float acc[NT][4];
+      float acc[2][NT][4];
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-      for (int k0 = 0; k0 < 16 * (mr + 1); k0 += 8) {
-        uint32_t a[4];
-        ldsm_a(a, X, kPadA, 16 * mr, k0, lane);
-        to_tf32(a);
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.f;
+      for (int k0 = 0; k0 < 16 * (rb[1] + 1); k0 += 8) {
+        const bool both = k0 < 16 * (rb[0] + 1);  // warp-uniform
+        uint32_t a0[4], a1[4];
+        ldsm_a(a1, X, kPadA, 16 * rb[1], k0, lane);
+        to_tf32(a1);
+        if (both) {
+          ldsm_a(a0, X, kPadA, 16 * rb[0], k0, lane);
+          to_tf32(a0);
+        }
         const float f0 = bs[k0 + t] * (which ? ec[k0 + t] : 1.f);
         const float f1 = bs[k0 + t + 4] * (which ? ec[k0 + t + 4] : 1.f);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const int col = nh * (kD / 2) + 8 * n + g;
-          mma_tf32(acc[n], a, tf32(B[(k0 + t) * ldb + col] * f0), tf32(B[(k0 + t + 4) * ldb + col] * f1));
+          const int col = c0 + 8 * n + g;
+          const uint32_t b0 = tf32(B[(k0 + t) * ldb + col] * f0), b1 = tf32(B[(k0 + t + 4) * ldb + col] * f1);
+          mma_tf32(acc[1][n], a1, b0, b1);
+          if (both) mma_tf32(acc[0][n], a0, b0, b1);
         }
       }
       float* dst = which ? p.W : p.U;
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = 16 * mr + g + 8 * hf, y = nh * (kD / 2) + 8 * n + 2 * t;
-          if (i >= L) continue;
-          const float f = bs[i] * (which ? ec[i] : 1.f);
-          float2 v = make_float2(fmaf(B[i * ldb + y], f, acc[n][2 * hf]), fmaf(B[i * ldb + y + 1], f, acc[n][2 * hf + 1]));
-          if (which) v = make_float2(round_tf32(v.x), round_tf32(v.y));  // W: only the state pass's MMA operand
-          *reinterpret_cast<float2*>(dst + (size_t(h) * p.T + t0 + i) * kD + y) = v;
-        }
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = 16 * rb[r] + g + 8 * hf, y = c0 + 8 * n + 2 * t;
+            if (i >= L) continue;
+            const float f = bs[i] * (which ? ec[i] : 1.f);
+            float2 v = make_float2(fmaf(B[i * ldb + y], f, acc[r][n][2 * hf]),
+                                   fmaf(B[i * ldb + y + 1], f, acc[r][n][2 * hf + 1]));
+            if (which) v = make_float2(round_tf32(v.x), round_tf32(v.y));  // W: only the state pass's MMA operand
+            *reinterpret_cast<float2*>(dst + (size_t(h) * p.T + t0 + i) * kD + y) = v;
+          }
     }
   }
 }
