@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
   float* bs = cs + kChunk;
   float* ec = bs + kChunk;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3, mr = warp & 3, nh = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
   const int ci = blockIdx.x, h = blockIdx.y;
   const int t0 = ci * kChunk, L = min(kChunk, p.T - t0);
   const int kh = h / (p.nv / p.nk);
@@ -280,41 +280,43 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
     if (tid < L) p.c[size_t(h) * p.T + t0 + tid] = cs[tid];
   }
 
-  // k k^T and q k^T on the lower triangle: rows 16 mr .., columns 32 nh + 8 n;
-  // column tiles entirely above the diagonal are skipped (left zero).
+  // k k^T and q k^T on the 20 column tiles (8 wide) on and below the
+  // diagonal, at most 3 per warp: warp w takes row block qm and tiles qn0 ..
+  // qn0 + qcnt - 1. The tiles above are never read (the substitution reads A
+  // below the diagonal, the state pass P up to its diagonal block), so they
+  // are not written.
   {
-    float kk[4][4], qk[4][4];
+    const int qm = (0x33322110 >> (4 * warp)) & 15, qn0 = (0x63030200 >> (4 * warp)) & 15,
+              qcnt = (0x23333222 >> (4 * warp)) & 15;
+    float kk[3][4], qk[3][4];
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < 3; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) kk[n][e] = qk[n][e] = 0.f;
     for (int k0 = 0; k0 < kD; k0 += 8) {
-      uint32_t ak[4], aq[4];
-      ldsm_a(ak, Ks, kPad, 16 * mr, k0, lane);
+      uint32_t ak[4], aq[4], b01[4], b2[2] = {0u, 0u};
+      ldsm_a(ak, Ks, kPad, 16 * qm, k0, lane);
       to_tf32(ak);
-      ldsm_a(aq, Qs, kPadQ, 16 * mr, k0, lane);  // q is stored rounded
+      ldsm_a(aq, Qs, kPadQ, 16 * qm, k0, lane);  // q is stored rounded
+      ldsm_b<2>(b01, Ks, kPad, k0, 8 * qn0, lane);
+      if (qcnt == 3) ldsm_b<1>(b2, Ks, kPad, k0, 8 * qn0 + 16, lane);  // warp-uniform
+      const uint32_t b[6] = {b01[0], b01[1], b01[2], b01[3], b2[0], b2[1]};
 #pragma unroll
-      for (int n2 = 0; n2 < 2; ++n2) {
-        if (32 * nh + 16 * n2 > 16 * mr + 15) continue;  // warp-uniform
-        uint32_t b[4];
-        ldsm_b<2>(b, Ks, kPad, k0, 32 * nh + 16 * n2, lane);
-        to_tf32(b);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = 2 * n2 + j;
-          if (32 * nh + 8 * n > 16 * mr + 15) continue;
-          mma_tf32(kk[n], ak, b[2 * j], b[2 * j + 1]);
-          mma_tf32(qk[n], aq, b[2 * j], b[2 * j + 1]);
-        }
+      for (int n = 0; n < 3; ++n) {
+        if (n == 2 && qcnt < 3) continue;
+        const uint32_t b0 = tf32(__uint_as_float(b[2 * n])), b1 = tf32(__uint_as_float(b[2 * n + 1]));
+        mma_tf32(kk[n], ak, b0, b1);
+        mma_tf32(qk[n], aq, b0, b1);
       }
     }
     __syncthreads();  // every warp has read Q: A may overwrite its storage
     float* Pout = p.Pm + (size_t(h) * p.nchunks + ci) * kChunk * kChunk;
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < 3; ++n) {
+      if (n == 2 && qcnt < 3) continue;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = 16 * mr + g + 8 * hf, j = 32 * nh + 8 * n + 2 * t;
+        const int i = 16 * qm + g + 8 * hf, j = 8 * (qn0 + n) + 2 * t;
         float av[2], pv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -326,6 +328,7 @@ __global__ void __launch_bounds__(kDnThreads, 2) dn_chunk_kernel(const ChunkPara
         *reinterpret_cast<float2*>(As + i * kPadA + j) = make_float2(av[0], av[1]);
         *reinterpret_cast<float2*>(Pout + i * kChunk + j) = make_float2(round_tf32(pv[0]), round_tf32(pv[1]));
       }
+    }
   }
   __syncthreads();
 
