@@ -479,8 +479,8 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
   }
 }
 
-// tile_rows: 0 = the launcher's choice, 64 or 128 forced (128: the choice at
-// >= 32 rows per expert, wgmma).
+// tile_rows: 0 = the launcher's choice, 16, 64 or 128 forced (128: the
+// choice at >= 32 rows per expert, wgmma; 16: q4 experts only).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
                   PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
                   bool sb_f16 = false) {
@@ -609,6 +609,16 @@ TEST(CudaPrefillMoe, MatchesCpuTallTiles) {
   run_moe_case(96, 32, 8, 2048, 512, true, false, 48, PrefillWeightFormat::Q4, 128);  // the model's expert shape
   run_moe_case(300, 8, 2, 256, 192, true, true, 49, PrefillWeightFormat::Q4, 128, 0, true);  // f16 scales
   run_moe_case(300, 8, 2, 256, 192, true, true, 50, PrefillWeightFormat::Q4, 64, 0, true);
+}
+
+// 16-row tiles (q4 experts, weights as the MMA's A operand): a few rows per
+// expert, experts over several tiles, f16 scales, the model's shape.
+TEST(CudaPrefillMoe, MatchesCpuSkinnyTiles) {
+  REQUIRE_GPU();
+  run_moe_case(40, 8, 2, 256, 256, true, false, 60, PrefillWeightFormat::Q4, 16);
+  run_moe_case(300, 8, 2, 512, 256, false, true, 61, PrefillWeightFormat::Q4, 16);
+  run_moe_case(70, 8, 2, 256, 512, true, true, 62, PrefillWeightFormat::Q4, 16, 3, true);
+  run_moe_case(96, 32, 8, 2048, 512, true, false, 63, PrefillWeightFormat::Q4, 16);
 }
 
 TEST(CudaPrefillMoe, MatchesCpuModelShape) {
@@ -1156,8 +1166,9 @@ TEST(CudaPrefillBench, Moe) {
   // length / tile height (e.g. to profile one launch).
   const int only_t = std::getenv("LILY_MOE_BENCH_T") ? std::atoi(std::getenv("LILY_MOE_BENCH_T")) : 0;
   const int only_bm = std::getenv("LILY_MOE_BENCH_BM") ? std::atoi(std::getenv("LILY_MOE_BENCH_BM")) : 0;
-  for (int T : {512, 1024, 2048, 4096, 16384})
-  for (int bm : {64, 128}) {
+  for (int T : {256, 512, 1024, 2048, 4096, 16384})
+  for (int bm : {16, 64, 128}) {
+    if (bm == 16 && T > 1024) continue;
     if ((only_t && T != only_t) || (only_bm && bm != only_bm)) continue;
     Dev x(size_t(T) * H * 2), logits(size_t(T) * E * 4), out(size_t(T) * H * 4);
     fill_bf16(x, 3, 1.f);

@@ -2,13 +2,13 @@
 // MoE block built on it (device routing, grouped launches, gather-sum).
 //
 // y[T][N] = x[T][K] . W^T with x bf16 and W bf16 or MLX affine 4/8-bit.
-// One block computes a BM x 128 tile of y (BM = 128 or 64 token rows) with 8
-// warps (2 along M x 4 along N, each a (BM/2) x 32 sub-tile of m16n8k16 bf16
-// MMAs, f32 accumulators). K advances 64 at a time (one quantization group):
-// a 3-stage cp.async pipeline brings the x tile and the raw weight tile
-// (codes + one scale/bias word per row) into shared memory; for quantized
-// weights all 256 threads then expand the 128 x 64 weight tile once into a
-// bf16 tile, which every warp of the block reads with ldmatrix. Shared tiles
+// One block computes a BM x 128 tile of y (BM = 128: two warpgroups of wgmma
+// m64n128k16; BM = 64: 8 warps of mma.sync m16n8k16, each 32 x 32; f32
+// accumulators). K advances 64 at a time (one quantization group): a 3-stage
+// cp.async pipeline brings the x tile and the raw weight tile (codes + scale /
+// bias words) into shared memory; for quantized weights all 256 threads then
+// expand the 128 x 64 weight tile once into a bf16 tile (with 128-row tiles
+// while the MMAs of the previous k-step run), which the MMAs read. Shared tiles
 // are 128-byte rows with the 16-byte chunk index XOR-swizzled by (row & 7),
 // so ldmatrix and the 16-byte stores are free of bank conflicts.
 //
@@ -16,7 +16,9 @@
 // first permuted row, row count); the x rows of a tile are gathered through a
 // permutation index while loading, and the expert's weights are found by
 // stride. SwiGLU mode: the block's 128 weight rows are 64 gate rows and the 64
-// matching up rows, and the epilogue writes silu(gate) * up as bf16.
+// matching up rows, and the epilogue writes silu(gate) * up as bf16. Experts
+// with <= 16 rows on average take the skinny kernel instead (weights as the
+// MMA's A operand, expanded in registers; see moe_skinny_kernel).
 #include <algorithm>
 #include <type_traits>
 
@@ -543,6 +545,194 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
   }
 }
 
+// ---- Skinny grouped MoE GEMM (q4 experts, few rows per expert) -------------
+// For prompts whose experts get ~16 rows or fewer (T <= ~512 with 256 experts,
+// top-8), 64-row tiles waste most of their MMAs and expand every weight tile
+// in shared memory for a handful of rows. Here the roles swap: out^T = W x^T
+// with the weights as the A operand of m16n8k16 (16 weight rows) and a tile's
+// <= 16 token rows as N (two n8 halves). Lane t of a quad loads the 8 bytes
+// of words 2t and 2t + 1 of its row's group (k = 16t .. 16t + 15) straight
+// into registers, 3 groups ahead, and expands them there; since the MMA sums
+// over k, the k order inside a group is permuted so that those 16 weights are
+// exactly this lane's A fragment over the group's 4 k16 steps: step j takes
+// the byte pairs (2j mod 4, +1) of word j / 2, i.e. real k = 16t + 4j .. +3,
+// and the B fragment reads the same 4 x values with one 8-byte load. Only the
+// tile's x rows go through shared memory (loaded once, rows 2K + 8 bytes
+// apart: the 8-byte fragment loads are conflict-free). Weights stream once
+// per tile, like the decode matvecs. Needs K % 256 == 0 (4 groups per turn of
+// the register ring).
+constexpr int kSkRows = 16;  // token rows per tile
+constexpr int kSkWarps = 8;
+constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
+
+template <int BYTE>
+__device__ __forceinline__ uint32_t skinny_pair(uint32_t w, __nv_bfloat162 S, __nv_bfloat162 B) {
+  const uint32_t t = __byte_perm(w, w >> 4, 0x0400 + 0x0101 * BYTE);
+  return bf162_bits(__hfma2(__hsub2(as_bf162((t & 0x000F000Fu) | 0x43004300u), as_bf162(0x43004300u)), S, B));
+}
+template <int BYTE>
+__device__ __forceinline__ uint32_t skinny_pair_f32(uint32_t w, float2 s) {
+  const uint32_t b = (w >> (8 * BYTE)) & 0xFFu;
+  return pack_bf16x2(fmaf(float(b & 15u), s.x, s.y), fmaf(float(b >> 4), s.x, s.y));
+}
+
+template <bool SWIGLU>
+__global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const GemmParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x;
+  if (tile >= *p.num_tiles) return;
+  const int expert = p.tile_expert[tile], m0 = p.tile_row0[tile], rows_valid = p.tile_rows[tile];
+  const int K = p.K, ldxs = K + 4, KG = K / 64;
+
+  // This thread's 4 weight rows: fragment rows g and g + 8 of two m16 tiles
+  // (SwiGLU: the same 16 gate rows and up rows, so gate and up of an output
+  // meet in one thread).
+  const int nb0 = blockIdx.y * (SWIGLU ? 16 : 32) * kSkWarps;
+  const uint8_t* wrow[4];
+  const uint32_t* srow[4];
+  bool rok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int mt = i >> 1, hh = i & 1;
+    int n;
+    const uint8_t* base;
+    const uint32_t* sbase;
+    if (SWIGLU) {
+      n = nb0 + 16 * warp + g + 8 * hh;
+      base = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes;
+      sbase = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
+    } else {
+      n = nb0 + 32 * warp + 16 * mt + g + 8 * hh;
+      base = p.w + size_t(expert) * p.expert_w_bytes;
+      sbase = p.sb + size_t(expert) * p.expert_sb_words;
+    }
+    rok[i] = n < p.N;
+    wrow[i] = base + size_t(rok[i] ? n : 0) * p.w_row_stride + 8 * t;
+    srow[i] = sbase + size_t(rok[i] ? n : 0) * p.sb_row_stride;
+  }
+  uint2 cw[kSkRing][4];
+  uint32_t cs[kSkRing][4];
+  auto load_group = [&](int kg, uint2 (&c)[4], uint32_t (&sb)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
+      sb[i] = rok[i] && kg < KG ? __ldg(srow[i] + kg) : 0u;
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kSkRing - 1; ++d) load_group(d, cw[d], cs[d]);
+
+  // The tile's x rows (rows past rows_valid zero-filled), 8-byte copies.
+  const int cpr = K / 4;
+  for (int i = tid; i < kSkRows * cpr; i += kSkWarps * 32) {
+    const int r = i / cpr, c = i % cpr;
+    const int src_row = r < rows_valid ? (p.a_rows ? p.a_rows[m0 + r] : m0 + r) : -1;
+    const uint16_t* src = p.x + (src_row >= 0 ? size_t(src_row) * p.ldx + c * 4 : 0);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(xs + r * ldxs + c * 4)), "l"(src),
+                 "r"(src_row >= 0 ? 8 : 0));
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float acc[2][2][4] = {};
+  const bool f16 = p.sb_f16 != 0;
+  for (int kg0 = 0; kg0 < KG; kg0 += kSkRing) {
+#pragma unroll
+    for (int d = 0; d < kSkRing; ++d) {
+      const int kg = kg0 + d;
+      load_group(kg + kSkRing - 1, cw[(d + kSkRing - 1) % kSkRing], cs[(d + kSkRing - 1) % kSkRing]);
+      // a[mt][j]: rows g (regs 0, 2) and g + 8 (regs 1, 3) of m-tile mt.
+      uint32_t a[2][4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int mt = i >> 1, hh = i & 1;
+        const uint32_t w0 = cw[d][i].x, w1 = cw[d][i].y;
+        if (!f16) {
+          const __nv_bfloat162 S = as_bf162(__byte_perm(cs[d][i], 0, 0x1010));
+          const __nv_bfloat162 B = as_bf162(__byte_perm(cs[d][i], 0, 0x3232));
+          a[mt][0][hh] = skinny_pair<0>(w0, S, B);
+          a[mt][0][2 + hh] = skinny_pair<1>(w0, S, B);
+          a[mt][1][hh] = skinny_pair<2>(w0, S, B);
+          a[mt][1][2 + hh] = skinny_pair<3>(w0, S, B);
+          a[mt][2][hh] = skinny_pair<0>(w1, S, B);
+          a[mt][2][2 + hh] = skinny_pair<1>(w1, S, B);
+          a[mt][3][hh] = skinny_pair<2>(w1, S, B);
+          a[mt][3][2 + hh] = skinny_pair<3>(w1, S, B);
+        } else {
+          const float2 sc = scale_bias(cs[d][i], 1);
+          a[mt][0][hh] = skinny_pair_f32<0>(w0, sc);
+          a[mt][0][2 + hh] = skinny_pair_f32<1>(w0, sc);
+          a[mt][1][hh] = skinny_pair_f32<2>(w0, sc);
+          a[mt][1][2 + hh] = skinny_pair_f32<3>(w0, sc);
+          a[mt][2][hh] = skinny_pair_f32<0>(w1, sc);
+          a[mt][2][2 + hh] = skinny_pair_f32<1>(w1, sc);
+          a[mt][3][hh] = skinny_pair_f32<2>(w1, sc);
+          a[mt][3][2 + hh] = skinny_pair_f32<3>(w1, sc);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint2 b = *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * 64 + 16 * t + 4 * j);
+          mma_bf16(acc[0][nt], a[0][j], b.x, b.y);
+          mma_bf16(acc[1][nt], a[1][j], b.x, b.y);
+        }
+      }
+    }
+  }
+
+  // acc[mt][nt][e]: weight row g + 8 (e >> 1) of m-tile mt, token 8 nt + 2t + (e & 1).
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 8 * nt + 2 * t + (e & 1);
+      if (tok >= rows_valid) continue;
+      uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
+      if constexpr (SWIGLU) {
+        const int col = nb0 + 16 * warp + g + 8 * (e >> 1);
+        if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int col = nb0 + 32 * warp + 16 * mt + g + 8 * (e >> 1);
+          if (col < p.N) yr[col] = f32_to_bf16_bits(acc[mt][nt][e]);
+        }
+      }
+    }
+}
+
+// Grouped q4 experts with tiles of <= 16 rows (bf16 output).
+bool moe_skinny_fits(const PrefillMoeArgs& a) {
+  return a.gate.fmt == PrefillWeightFormat::Q4 && a.down.fmt == PrefillWeightFormat::Q4 && a.hidden % 256 == 0 &&
+         a.inter % 256 == 0 && size_t(kSkRows) * (std::max(a.hidden, a.inter) * 2 + 8) <= 100 * 1024;
+}
+
+void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s) {
+  const size_t smem = size_t(kSkRows) * (p.K * 2 + 8);
+  const int cols = (swiglu ? 16 : 32) * kSkWarps;
+  const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
+  auto go = [&](auto kernel) {
+    static const bool attr_ok = [&] {
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024),
+            "cudaFuncSetAttribute(prefill MoE skinny kernel)");
+      return true;
+    }();
+    (void)attr_ok;
+    kernel<<<grid, kSkWarps * 32, smem, s>>>(p);
+  };
+  if (swiglu)
+    go(moe_skinny_kernel<true>);
+  else
+    go(moe_skinny_kernel<false>);
+  check_launch("prefill MoE skinny kernel");
+}
+
 // w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
 // the same FMA as dequant_tile.
 template <int F>
@@ -818,7 +1008,7 @@ struct MoeLayout {
 MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
   MoeLayout L{};
   const size_t n = size_t(T) * k;
-  L.max_tiles = int(n / 64 + std::min<size_t>(E, n) + 1);  // worst case over BM in {64, 128}
+  L.max_tiles = int(n / kSkRows + std::min<size_t>(E, n) + 1);  // worst case over BM in {16, 64, 128}
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -1014,11 +1204,20 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
 
   const int n = a.T * a.k;
   // Rows per expert on average decide the tile height.
-  if (a.tile_rows != 0 && a.tile_rows != 64 && a.tile_rows != 128)
-    fail("prefill_moe: tile_rows must be 0, 64 or 128 (got ", a.tile_rows, ")");
-  // (H200, T = 512 / 1024 / 2048 with 256 experts, top-8: 64-row tiles
-  // 0.53 / 0.60 / 0.93 ms, 128-row tiles 0.59 / 0.60 / 0.69 ms.)
-  const int bm = a.tile_rows ? a.tile_rows : (n / a.E) >= 32 ? 128 : 64;
+  if (a.tile_rows != 0 && a.tile_rows != 16 && a.tile_rows != 64 && a.tile_rows != 128)
+    fail("prefill_moe: tile_rows must be 0, 16, 64 or 128 (got ", a.tile_rows, ")");
+  const bool skinny_ok = moe_skinny_fits(a);
+  if (a.tile_rows == 16 && !skinny_ok)
+    fail("prefill_moe: 16-row tiles need q4 experts with hidden and intermediate sizes multiples of 256");
+  // (H200, 256 experts, top-8, q4: at T = 256 / 512 / 1024 the 16-row
+  // tiles take 0.28 / 0.37 / 0.60 ms, 64-row tiles 0.50 / 0.52 / 0.59,
+  // 128-row tiles 0.57 / 0.59 / 0.59; at T = 2048, 64-row tiles 0.93 and
+  // 128-row tiles 0.68.)
+  const int rows_per_expert = n / a.E;
+  const int bm = a.tile_rows                          ? a.tile_rows
+                 : skinny_ok && rows_per_expert <= 16 ? kSkRows
+                 : rows_per_expert >= 32              ? 128
+                                                      : 64;
   const int max_tiles = n / bm + std::min(a.E, n) + 1;
 
   mark(0);
@@ -1047,7 +1246,10 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
   mark(1);
-  launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+  if (bm == kSkRows)
+    launch_moe_skinny(p, true, max_tiles, stream);
+  else
+    launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
   mark(2);
 
   GemmParams q = base_params(a.down);
@@ -1061,7 +1263,10 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.y = yp;
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::BF16);
-  launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+  if (bm == kSkRows)
+    launch_moe_skinny(q, false, max_tiles, stream);
+  else
+    launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
 
   auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
