@@ -68,21 +68,26 @@ __device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) 
 // in registers beside 128 accumulators.
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
 __device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+// The weight pair of byte BYTE of code word w, and the (s, s) / (b, b) pairs
+// of a scale/bias word.
+template <int BYTE>
+__device__ __forceinline__ uint32_t q4_pair_bf16(uint32_t w, __nv_bfloat162 S, __nv_bfloat162 B) {
+  const uint32_t t = __byte_perm(w, w >> 4, 0x0400 + 0x0101 * BYTE);
+  return bf162_bits(__hfma2(__hsub2(as_bf162((t & 0x000F000Fu) | 0x43004300u), as_bf162(0x43004300u)), S, B));
+}
+__device__ __forceinline__ void scale_bias_bf162(uint32_t sb, __nv_bfloat162& S, __nv_bfloat162& B) {
+  S = as_bf162(__byte_perm(sb, 0, 0x1010));
+  B = as_bf162(__byte_perm(sb, 0, 0x3232));
+}
 __device__ __forceinline__ void dequant_q4x32_bf16(uint4 c, uint32_t sb, uint4 (&o)[4]) {
-  const __nv_bfloat162 S = as_bf162(__byte_perm(sb, 0, 0x1010));
-  const __nv_bfloat162 B = as_bf162(__byte_perm(sb, 0, 0x3232));
-  const __nv_bfloat162 K128 = as_bf162(0x43004300u);
+  __nv_bfloat162 S, B;
+  scale_bias_bf162(sb, S, B);
   const uint32_t words[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t w = words[i], w4 = w >> 4;
-    uint32_t r[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t t = __byte_perm(w, w4, 0x0400 + 0x0101 * j);
-      r[j] = bf162_bits(__hfma2(__hsub2(as_bf162((t & 0x000F000Fu) | 0x43004300u), K128), S, B));
-    }
-    o[i] = make_uint4(r[0], r[1], r[2], r[3]);
+    const uint32_t w = words[i];
+    o[i] = make_uint4(q4_pair_bf16<0>(w, S, B), q4_pair_bf16<1>(w, S, B), q4_pair_bf16<2>(w, S, B),
+                      q4_pair_bf16<3>(w, S, B));
   }
 }
 // 32 consecutive 8-bit weights (two 16-byte chunks) -> 4 chunks of 8 bf16.
@@ -566,11 +571,6 @@ constexpr int kSkWarps = 8;
 constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
 
 template <int BYTE>
-__device__ __forceinline__ uint32_t skinny_pair(uint32_t w, __nv_bfloat162 S, __nv_bfloat162 B) {
-  const uint32_t t = __byte_perm(w, w >> 4, 0x0400 + 0x0101 * BYTE);
-  return bf162_bits(__hfma2(__hsub2(as_bf162((t & 0x000F000Fu) | 0x43004300u), as_bf162(0x43004300u)), S, B));
-}
-template <int BYTE>
 __device__ __forceinline__ uint32_t skinny_pair_f32(uint32_t w, float2 s) {
   const uint32_t b = (w >> (8 * BYTE)) & 0xFFu;
   return pack_bf16x2(fmaf(float(b & 15u), s.x, s.y), fmaf(float(b >> 4), s.x, s.y));
@@ -651,16 +651,16 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
         const int mt = i >> 1, hh = i & 1;
         const uint32_t w0 = cw[d][i].x, w1 = cw[d][i].y;
         if (!f16) {
-          const __nv_bfloat162 S = as_bf162(__byte_perm(cs[d][i], 0, 0x1010));
-          const __nv_bfloat162 B = as_bf162(__byte_perm(cs[d][i], 0, 0x3232));
-          a[mt][0][hh] = skinny_pair<0>(w0, S, B);
-          a[mt][0][2 + hh] = skinny_pair<1>(w0, S, B);
-          a[mt][1][hh] = skinny_pair<2>(w0, S, B);
-          a[mt][1][2 + hh] = skinny_pair<3>(w0, S, B);
-          a[mt][2][hh] = skinny_pair<0>(w1, S, B);
-          a[mt][2][2 + hh] = skinny_pair<1>(w1, S, B);
-          a[mt][3][hh] = skinny_pair<2>(w1, S, B);
-          a[mt][3][2 + hh] = skinny_pair<3>(w1, S, B);
+          __nv_bfloat162 S, B;
+          scale_bias_bf162(cs[d][i], S, B);
+          a[mt][0][hh] = q4_pair_bf16<0>(w0, S, B);
+          a[mt][0][2 + hh] = q4_pair_bf16<1>(w0, S, B);
+          a[mt][1][hh] = q4_pair_bf16<2>(w0, S, B);
+          a[mt][1][2 + hh] = q4_pair_bf16<3>(w0, S, B);
+          a[mt][2][hh] = q4_pair_bf16<0>(w1, S, B);
+          a[mt][2][2 + hh] = q4_pair_bf16<1>(w1, S, B);
+          a[mt][3][hh] = q4_pair_bf16<2>(w1, S, B);
+          a[mt][3][2 + hh] = q4_pair_bf16<3>(w1, S, B);
         } else {
           const float2 sc = scale_bias(cs[d][i], 1);
           a[mt][0][hh] = skinny_pair_f32<0>(w0, sc);
