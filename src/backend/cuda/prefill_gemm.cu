@@ -56,6 +56,8 @@ __device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) 
     o[i].w = pack_bf16x2(fmaf(code_f(lo, 0x7653), s.x, s.y), fmaf(code_f(hi, 0x7653), s.x, s.y));
   }
 }
+__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 // The same 32 weights with bf16x2 arithmetic, for bf16 scales and biases
 // (sb = scale | bias << 16). Byte j of a code word w holds weights 2j (low
 // nibble) and 2j + 1 (high nibble); byte j of w >> 4 has weight 2j + 1 in its
@@ -65,11 +67,9 @@ __device__ __forceinline__ void dequant_q4x32(uint4 c, float2 s, uint4 (&o)[4]) 
 // (exact) and one fma with (s, s) and (b, b) round once to bf16: the f32
 // path's value except where its double rounding (f32, then bf16) differs.
 // ~2 instructions per weight instead of ~4, and no selector constants held
-// in registers beside 128 accumulators.
-__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
-__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
-// The weight pair of byte BYTE of code word w, and the (s, s) / (b, b) pairs
-// of a scale/bias word.
+// in registers beside 128 accumulators. q4_pair_bf16: the weight pair of
+// byte BYTE of code word w; scale_bias_bf162: the (s, s) / (b, b) pairs of a
+// scale/bias word.
 template <int BYTE>
 __device__ __forceinline__ uint32_t q4_pair_bf16(uint32_t w, __nv_bfloat162 S, __nv_bfloat162 B) {
   const uint32_t t = __byte_perm(w, w >> 4, 0x0400 + 0x0101 * BYTE);
@@ -360,7 +360,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
       main_loop(std::true_type{});
     else
       main_loop(std::false_type{});
-  } else
+  } else {
+  // bf16 weights, and quantized ones on 64-row tiles: one expansion tile, two
+  // barriers per k-step.
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 2>();
     if constexpr (kWG) fence_proxy_async();
@@ -374,8 +376,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     const uint16_t* xt = Xs + size_t(stage) * BM * 64;
     const uint16_t* wt;
     if constexpr (QUANT) {
-      dequant_tile<F, kWG>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
-      if constexpr (kWG) fence_proxy_async();
+      dequant_tile<F, false>(Wst + size_t(stage) * WTile<F>::stage_bytes, Wd, p.sb_f16);
       __syncthreads();
       wt = Wd;
     } else {
@@ -421,6 +422,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
           for (int nt = 0; nt < 4; ++nt) mma_bf16(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
       }
     }
+  }
   }
   cp_async_wait<0>();
 
@@ -569,6 +571,7 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
 constexpr int kSkRows = 16;  // token rows per tile
 constexpr int kSkWarps = 8;
 constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
+constexpr int kSkMaxSmem = 100 * 1024;  // the x tile: 16 rows of 2K + 8 bytes
 
 template <int BYTE>
 __device__ __forceinline__ uint32_t skinny_pair_f32(uint32_t w, float2 s) {
@@ -710,7 +713,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
 // Grouped q4 experts with tiles of <= 16 rows (bf16 output).
 bool moe_skinny_fits(const PrefillMoeArgs& a) {
   return a.gate.fmt == PrefillWeightFormat::Q4 && a.down.fmt == PrefillWeightFormat::Q4 && a.hidden % 256 == 0 &&
-         a.inter % 256 == 0 && size_t(kSkRows) * (std::max(a.hidden, a.inter) * 2 + 8) <= 100 * 1024;
+         a.inter % 256 == 0 && size_t(kSkRows) * (std::max(a.hidden, a.inter) * 2 + 8) <= size_t(kSkMaxSmem);
 }
 
 void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s) {
@@ -719,7 +722,7 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
   auto go = [&](auto kernel) {
     static const bool attr_ok = [&] {
-      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024),
+      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSkMaxSmem),
             "cudaFuncSetAttribute(prefill MoE skinny kernel)");
       return true;
     }();
