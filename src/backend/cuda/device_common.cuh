@@ -89,6 +89,13 @@ struct ChunkFmt {
     if constexpr (PPC == 1) return 0;
     else return (c / (8 / PPC)) & (PPC - 1);
   }
+  // The affine group term scale * sum(q x) + bias * sum(x) from chunk_dot's
+  // d and the chunk's sum(x); q4's d is sum (1/2 + q/256) x, so
+  // sum(q x) = 256 d - 128 sum(x).
+  __device__ static __forceinline__ float affine_term(float2 sb, float d, float xsum) {
+    if constexpr (F == QFmt::Q4) return fmaf(256.f * sb.x, d, (sb.y - 128.f * sb.x) * xsum);
+    else return fmaf(sb.x, d, sb.y * xsum);
+  }
   // Shared-memory float index of input element `i` of chunk-item `c`.
   __device__ static __forceinline__ int slot(int c, int within) {
     return (c * PPC + ((within >> 2) ^ swz(c))) * 4 + (within & 3);
@@ -100,8 +107,16 @@ __device__ __forceinline__ float byte_f(uint32_t v, uint32_t sel) {
   return __uint_as_float(__byte_perm(v, 0x4B000000u, sel)) - 8388608.f;
 }
 
-// d[r] = sum over the chunk of code (affine) or value (float) times x, for R
-// rows that share the chunk index c (and so the staged input).
+// A 4-bit code q (one byte of v, 0..15) as the float 1/2 + q/256: its byte
+// lands in the mantissa's top bits under the exponent byte of 0.5 (one PRMT,
+// no conversion and no subtraction per weight).
+__device__ __forceinline__ float q4_half(uint32_t v, uint32_t sel) {
+  return __uint_as_float(__byte_perm(v, 0x3F000000u, sel));
+}
+
+// d[r] = sum over the chunk of code (affine; q4: see q4_half) or value
+// (float) times x, for R rows that share the chunk index c (and so the staged
+// input).
 template <QFmt F, int R>
 __device__ __forceinline__ void chunk_dot(const uint4 (&w)[R], const float4* xs, int c,
                                           float (&d)[R]) {
@@ -111,6 +126,10 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&w)[R], const float4* xs,
 #pragma unroll
   for (int r = 0; r < R; ++r) d[r] = 0.f;
   if constexpr (F == QFmt::Q4) {
+    // d = sum (1/2 + q/256) x (see q4_half); ChunkFmt::affine_term undoes it.
+    float a0[R], a1[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float4 xa = b[(2 * i) ^ sw], xb = b[(2 * i + 1) ^ sw];
@@ -118,17 +137,18 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&w)[R], const float4* xs,
       for (int r = 0; r < R; ++r) {
         const uint32_t word = i == 0 ? w[r].x : i == 1 ? w[r].y : i == 2 ? w[r].z : w[r].w;
         const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
-        float a0 = byte_f(lo, 0x7650) * xa.x;
-        float a1 = byte_f(hi, 0x7650) * xa.y;
-        a0 = fmaf(byte_f(lo, 0x7651), xa.z, a0);
-        a1 = fmaf(byte_f(hi, 0x7651), xa.w, a1);
-        a0 = fmaf(byte_f(lo, 0x7652), xb.x, a0);
-        a1 = fmaf(byte_f(hi, 0x7652), xb.y, a1);
-        a0 = fmaf(byte_f(lo, 0x7653), xb.z, a0);
-        a1 = fmaf(byte_f(hi, 0x7653), xb.w, a1);
-        d[r] += a0 + a1;
+        a0[r] = fmaf(q4_half(lo, 0x7054), xa.x, a0[r]);
+        a1[r] = fmaf(q4_half(hi, 0x7054), xa.y, a1[r]);
+        a0[r] = fmaf(q4_half(lo, 0x7154), xa.z, a0[r]);
+        a1[r] = fmaf(q4_half(hi, 0x7154), xa.w, a1[r]);
+        a0[r] = fmaf(q4_half(lo, 0x7254), xb.x, a0[r]);
+        a1[r] = fmaf(q4_half(hi, 0x7254), xb.y, a1[r]);
+        a0[r] = fmaf(q4_half(lo, 0x7354), xb.z, a0[r]);
+        a1[r] = fmaf(q4_half(hi, 0x7354), xb.w, a1[r]);
       }
     }
+#pragma unroll
+    for (int r = 0; r < R; ++r) d[r] = a0[r] + a1[r];
   } else if constexpr (F == QFmt::Q8) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

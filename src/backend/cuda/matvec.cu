@@ -299,8 +299,7 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
         const float xsc = xsum[c];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float2 sb = decode_sb(it.s[u][r], sb_f16);
-          acc[r] = fmaf(sb.x, d[r], fmaf(sb.y, xsc, acc[r]));
+          acc[r] += CF::affine_term(decode_sb(it.s[u][r], sb_f16), d[r], xsc);
         }
       } else {
         acc[0] += d[0];
@@ -587,8 +586,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
           for (int r = 0; r < 2; ++r) {
             float v = d[r];
             if constexpr (CF::affine) {
-              const float2 sb = decode_sb(sc[u][r], p.sb_f16);
-              v = fmaf(sb.x, d[r], sb.y * xsum[it]);
+              v = CF::affine_term(decode_sb(sc[u][r], p.sb_f16), d[r], xsum[it]);
             }
             acc[r] = fmaf(coef, v, acc[r]);
           }
