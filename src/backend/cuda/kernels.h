@@ -126,6 +126,7 @@ struct MatvecParams {
   Finish fin = Finish::None;
   unsigned* counter = nullptr;  // zero between launches; the last block resets it
   DecodeCtrl* ctrl = nullptr;  // argmax / LmHead: argmax_key, pos += 1 at the end
+  int balanced = 0;            // set by launch_matvec: the tile split (see matvec_body)
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
 

@@ -9,6 +9,7 @@
 // q4 as 1/2 + q/256, q8 against 2^23), and an affine group contributes
 // scale * sum(q x) + bias * sum(x) with sum(x) of each chunk precomputed at
 // staging.
+#include <algorithm>
 #include <cfloat>
 #include <cstdlib>
 #include <string>
@@ -323,9 +324,20 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 
   int total = 0;
   for (int j = 0; j < p.njobs; ++j) total += job_tiles(p.jobs[j].rows);
-  const int per_block = (total + gridDim.x - 1) / gridDim.x;
-  const int t_begin = blockIdx.x * per_block;
-  const int t_end = min(total, t_begin + per_block);
+  // Tiles per block: balanced (total / grid, the first total % grid blocks
+  // one more: they are dispatched to distinct SMs first, so an SM's two
+  // blocks differ by at most one tile) or, with p.balanced == 0, equal
+  // runs of ceil(total / grid).
+  int t_begin, t_end;
+  if (p.balanced) {
+    const int base = total / gridDim.x, extra = total % gridDim.x, b = blockIdx.x;
+    t_begin = b * base + min(b, extra);
+    t_end = t_begin + base + (b < extra ? 1 : 0);
+  } else {
+    const int per_block = (total + gridDim.x - 1) / gridDim.x;
+    t_begin = blockIdx.x * per_block;
+    t_end = min(total, t_begin + per_block);
+  }
   // A warp walks (tile, chunk step) items; the next item's loads are issued
   // before the current one is computed, and the first item's before the
   // predecessor kernel has even finished (weights do not depend on it).
@@ -643,9 +655,18 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
   const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
-  const int per_block = (tiles + max_grid - 1) / max_grid;
-  const int grid = (tiles + per_block - 1) / per_block;
-  launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+  static const bool balanced = [] {
+    const char* e = std::getenv("LILY_CUDA_BALANCE");
+    return !(e && std::string(e) == "0");
+  }();
+  MatvecParams q = p;
+  q.balanced = balanced ? 1 : 0;
+  int grid = std::min(tiles, max_grid);
+  if (!balanced) {
+    const int per_block = (tiles + max_grid - 1) / max_grid;
+    grid = (tiles + per_block - 1) / per_block;
+  }
+  launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
 }
 
 template <QFmt F, bool Route>
