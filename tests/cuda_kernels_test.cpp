@@ -4,6 +4,7 @@
 
 #ifdef LILY_HAVE_CUDA
 
+#include <cstdlib>
 #include <numeric>
 
 #include "backend/cpu/attention.h"
@@ -65,8 +66,14 @@ const FormatCase kFormats[] = {
     {WeightFormat::F16, 0, DType::BF16, "f16"}, {WeightFormat::F32, 0, DType::BF16, "f32"},
 };
 
-TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
-  LILY_SKIP_WITHOUT_GPU();
+// Sets LILY_CUDA_FAST_STAGE (the one-pass input staging) for one scope; the
+// launchers read it per launch.
+struct FastStageEnv {
+  explicit FastStageEnv(const char* fast) { setenv("LILY_CUDA_FAST_STAGE", fast, 1); }
+  ~FastStageEnv() { unsetenv("LILY_CUDA_FAST_STAGE"); }
+};
+
+void every_format_and_prologue() {
   std::mt19937 rng(7);
   for (const FormatCase& fc : kFormats) {
     const bool affine = fc.f == WeightFormat::Affine4 || fc.f == WeightFormat::Affine8;
@@ -80,10 +87,13 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
       auto da = cuda::upload_matrix(a.m, 1), db = cuda::upload_matrix(b.m, 2), dc = cuda::upload_matrix(c.m, 3);
       const auto x = random_vec(cols, rng), nw = random_vec(cols, rng, 0.5f, 1.5f), z = random_vec(cols, rng, -3, 3);
       auto dx = to_device(x), dnw = to_device(nw), dz = to_device(z);
-      for (int pro = 0; pro < 3; ++pro) {
+      // 0: none, 1: RMSNorm, 2: gated RMSNorm over 64-wide segments, 3:
+      // over 128-wide ones (the one-pass staging) with z read before the wait.
+      for (int pv = 0; pv < 4; ++pv) {
+        const int pro = pv < 3 ? pv : 2;
         // Reference input after the prologue.
         std::vector<float> xin = x;
-        const int seg = pro == 2 ? 64 : cols;
+        const int seg = pv == 2 ? 64 : pv == 3 ? 128 : cols;
         if (pro > 0) {
           std::vector<float> segw(seg);
           for (int s = 0; s < cols / seg; ++s) {
@@ -111,13 +121,25 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
         p.norm_w = dnw.as<float>();
         p.seg = seg;
         p.gate_z = pro == 2 ? dz.as<float>() : nullptr;
+        p.gate_z_early = pv == 3;
         p.eps = 1e-6f;
         cuda::launch_matvec(p, nullptr, false);
-        EXPECT_LT(rel_err(to_host<float>(oa, 77), ya), 2e-5) << "prologue " << pro;
-        EXPECT_LT(rel_err(to_host<float>(ob, 5), yb), 2e-5) << "prologue " << pro;
-        EXPECT_LT(rel_err(to_host<float>(oc, 130), yc), 2e-5) << "prologue " << pro;
+        EXPECT_LT(rel_err(to_host<float>(oa, 77), ya), 2e-5) << "prologue " << pv;
+        EXPECT_LT(rel_err(to_host<float>(ob, 5), yb), 2e-5) << "prologue " << pv;
+        EXPECT_LT(rel_err(to_host<float>(oc, 130), yc), 2e-5) << "prologue " << pv;
       }
     }
+  }
+}
+
+TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  // The one-pass input staging (the default where it applies) and the
+  // general one.
+  for (const char* fast : {"1", "0"}) {
+    FastStageEnv env(fast);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
+    every_format_and_prologue();
   }
 }
 
@@ -194,8 +216,7 @@ TEST(CudaMatvec, AddAndSwiGlu) {
 // route prologue takes softmax -> top-k -> renormalisation and runs the
 // selected experts (+ the shared expert) with SwiGLU. Against the CPU
 // backend's routing on the device's logits, and the CPU matvec.
-TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
-  LILY_SKIP_WITHOUT_GPU();
+void routed_gate_up() {
   std::mt19937 rng(5);
   struct Case {
     int E, k, shared, norm, ties;
@@ -304,6 +325,17 @@ TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
   }
 }
 
+TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  // The one-pass input staging (the default where it applies) and the
+  // general one.
+  for (const char* fast : {"1", "0"}) {
+    FastStageEnv env(fast);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
+    routed_gate_up();
+  }
+}
+
 TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(9);
@@ -335,8 +367,7 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   EXPECT_EQ(h.pos, 42);
 }
 
-TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
-  LILY_SKIP_WITHOUT_GPU();
+void moe_down_weighted_sum() {
   std::mt19937 rng(3);
   for (WeightFormat f : {WeightFormat::Affine4, WeightFormat::BF16}) {
     const int E = 6, H = 77, I = 192, J = 4;
@@ -376,6 +407,17 @@ TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
       for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
     }
     EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
+  }
+}
+
+TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
+  LILY_SKIP_WITHOUT_GPU();
+  // The one-pass input staging (the default where it applies) and the
+  // general one.
+  for (const char* fast : {"1", "0"}) {
+    FastStageEnv env(fast);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
+    moe_down_weighted_sum();
   }
 }
 

@@ -37,6 +37,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/kernels.h"
 #include "cuda_test_util.h"
 #include "engine/sequence.h"
 #include "fixture_util.h"
@@ -305,6 +306,36 @@ TEST(CudaModel, CacheGrowthAndSnapshots) {
   g.forward(*snap, std::span<const int>(ref.prompt.data() + 40, 3), LogitsMode::All, c2.data());
   EXPECT_EQ(c1, c2);
   EXPECT_EQ(snap->n_past(), 43);
+}
+
+// The step trace (lily bench --trace): one entry per launch of the step, in
+// order, each with blocks whose marks are ordered in time.
+TEST(CudaModel, StepTraceCoversEveryLaunch) {
+  LILY_SKIP_WITHOUT_GPU();
+  auto ref = load_reference("qwen3_5_moe", "short");
+  auto& g = dynamic_cast<cuda::CudaBackend&>(cuda_backend_for("qwen3_5_moe", true));
+  auto cache = g.new_cache(64);
+  std::vector<float> lg(ref.vocab);
+  for (int t = 0; t < 4; ++t)
+    g.forward(*cache, std::span<const int>(&ref.prompt[t], 1), LogitsMode::LastOnly, lg.data());
+  double timer_ns = -1;
+  const auto tr = g.trace_step(*cache, cuda::sm_clock_mhz(), &timer_ns);
+  ASSERT_EQ(static_cast<int>(tr.size()), g.step_launches());
+  EXPECT_GT(timer_ns, 0);
+  EXPECT_EQ(tr.front().name, "embed");
+  EXPECT_EQ(tr.back().name, "lm_head");
+  for (size_t i = 0; i < tr.size(); ++i) {
+    const auto& L = tr[i];
+    SCOPED_TRACE("launch " + std::to_string(i) + " " + L.name);
+    EXPECT_GT(L.blocks, 0);
+    EXPECT_LE(L.entry_first, L.wait_first);
+    EXPECT_LE(L.wait_first, L.end_last);
+    EXPECT_GE(L.setup_us, 0);
+    EXPECT_GE(L.body_us, 0);
+    if (i > 0) EXPECT_LE(tr[i - 1].wait_first, L.wait_first);  // each waits for its predecessor
+  }
+  // Tracing is disarmed again: a normal launch records nothing.
+  EXPECT_EQ(cuda::next_trace().recs, nullptr);
 }
 
 }  // namespace

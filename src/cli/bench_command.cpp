@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -57,6 +58,7 @@ struct Setup {
   int tokens = 64, warmup = 1, repeats = 5;
   uint64_t seed = 1;
   bool profile = false;
+  bool trace = false;
 };
 
 // FLOPs of a prefill of n tokens from an empty cache (multiply-adds x 2).
@@ -86,6 +88,90 @@ double prefill_flops(const ModelConfig& c, double n) {
 }
 
 #ifdef LILY_HAVE_CUDA
+// A traced step (CudaBackend::trace_step) summed per kernel kind. Per launch:
+// span = its last block's end minus the previous launch's (the launch's share
+// of the step); gap = its first block past the wait minus the previous
+// launch's last end (the dependency hand-over); spread = median minus first
+// release; setup / body = median block intervals; tail = last end minus
+// median end.
+nlohmann::ordered_json report_trace(const std::vector<cuda::TracedLaunch>& t, int ctx, double timer_ns,
+                                   const std::string& title = "") {
+  struct Kind {
+    std::string name;
+    int launches = 0, blocks = 0, pre = 0;
+    double span = 0, gap = 0, spread = 0, setup = 0, body = 0, tail = 0;
+    double sub[4] = {0, 0, 0, 0};
+  };
+  std::vector<Kind> kinds;
+  nlohmann::ordered_json per = nlohmann::ordered_json::array();
+  double prev_end = t.empty() ? 0 : t.front().entry_first;
+  for (const auto& L : t) {
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const Kind& k) { return k.name == L.name; });
+    if (it == kinds.end()) {
+      kinds.push_back({L.name});
+      it = kinds.end() - 1;
+    }
+    const double span = L.end_last - prev_end, gap = L.wait_first - prev_end;
+    it->launches++;
+    it->blocks += L.blocks;
+    it->pre += L.pre_launched;
+    it->span += span;
+    it->gap += gap;
+    it->spread += L.wait_med - L.wait_first;
+    it->setup += L.setup_us;
+    it->body += L.body_us;
+    it->tail += L.end_last - L.end_med;
+    for (int i = 0; i < 4; ++i) it->sub[i] += L.sub_us[i];
+    per.push_back({{"kernel", L.name}, {"blocks", L.blocks}, {"pre_launched", L.pre_launched},
+                   {"entry_first_us", L.entry_first}, {"wait_first_us", L.wait_first},
+                   {"wait_med_us", L.wait_med}, {"setup_us", L.setup_us}, {"body_us", L.body_us},
+                   {"end_med_us", L.end_med}, {"end_last_us", L.end_last},
+                   {"sub_us", {L.sub_us[0], L.sub_us[1], L.sub_us[2], L.sub_us[3]}}});
+    prev_end = L.end_last;
+  }
+  const double step = t.empty() ? 0 : t.back().end_last - t.front().entry_first;
+  std::printf("\ntraced %s, ctx %d: %.1f us from the first block's entry to the last block's end "
+              "(global timer granularity %.0f ns); us per step, summed over a kind's launches:\n",
+              title.empty() ? "step" : title.c_str(), ctx, step, timer_ns);
+  std::printf("  %-20s %8s %9s %8s %8s %8s %8s %8s %6s\n", "kernel", "launches", "span", "gap", "spread",
+              "setup", "body", "tail", "%pre");
+  Kind tot{"total"};
+  for (const Kind& k : kinds) {
+    std::printf("  %-20s %8d %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %5.0f%%\n", k.name.c_str(), k.launches, k.span,
+                k.gap, k.spread, k.setup, k.body, k.tail, k.blocks ? 100.0 * k.pre / k.blocks : 0.0);
+    tot.launches += k.launches;
+    tot.blocks += k.blocks;
+    tot.pre += k.pre;
+    tot.span += k.span;
+    tot.gap += k.gap;
+    tot.spread += k.spread;
+    tot.setup += k.setup;
+    tot.body += k.body;
+    tot.tail += k.tail;
+  }
+  std::printf("  %-20s %8d %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %5.0f%%\n", "total", tot.launches, tot.span,
+              tot.gap, tot.spread, tot.setup, tot.body, tot.tail, tot.blocks ? 100.0 * tot.pre / tot.blocks : 0.0);
+  std::printf("  per launch (us, medians over blocks, averaged over launches): setup sub-steps from the wait "
+              "(x loaded or routed / norm reduced / swizzled / setup) and body (first item / body):\n");
+  for (const Kind& k : kinds) {
+    const double n = k.launches;
+    std::printf("  %-20s %7.2f %7.2f %7.2f %7.2f | %7.2f %7.2f\n", k.name.c_str(), k.sub[0] / n, k.sub[1] / n,
+                k.sub[2] / n, k.setup / n, k.sub[3] / n, k.body / n);
+  }
+  nlohmann::ordered_json j;
+  j["ctx"] = ctx;
+  j["step_us"] = step;
+  j["timer_granularity_ns"] = timer_ns;
+  nlohmann::ordered_json kj = nlohmann::ordered_json::array();
+  for (const Kind& k : kinds)
+    kj.push_back({{"kernel", k.name}, {"launches", k.launches}, {"span_us", k.span}, {"gap_us", k.gap},
+                  {"spread_us", k.spread}, {"setup_us", k.setup}, {"body_us", k.body}, {"tail_us", k.tail},
+                  {"blocks", k.blocks}, {"pre_launched_blocks", k.pre}});
+  j["kinds"] = kj;
+  j["launches"] = per;
+  return j;
+}
+
 nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& s,
                                   const std::string& kv) {
   cuda::CudaOptions opt = cuda::options_from_env();
@@ -135,6 +221,8 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
               "peak GiB", "SM MHz");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   std::vector<std::vector<cuda::KernelTiming>> profiles;
+  std::vector<std::pair<int, std::vector<cuda::TracedLaunch>>> traces;
+  std::vector<double> trace_timer;
   for (int ctx : s.ctxs) {
     if (ctx + s.tokens + 1 > c.max_position_embeddings && c.max_position_embeddings > 0 && ctx > 0)
       std::fprintf(stderr, "note: ctx %d exceeds the model's max_position_embeddings %d\n", ctx,
@@ -172,6 +260,28 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
         k.push_back({{"kernel", p.name}, {"launches", p.launches}, {"ms", p.ms}, {"bytes", p.bytes}});
       row["kernels"] = k;
       profiles.push_back(prof);
+    }
+    if (s.trace) {
+      b->bench_fill(*cache, ctx, s.seed);
+      double gran = 0;
+      traces.push_back({ctx, b->trace_step(*cache, clock, &gran)});
+      trace_timer.push_back(gran);
+      // LILY_TRACE_ALONE=kind,kind: those kinds' launches alone as well
+      // (the same kernel back to back), to compare with their share above.
+      if (const char* al = std::getenv("LILY_TRACE_ALONE"); al && *al) {
+        std::string list = al;
+        size_t p0 = 0;
+        while (p0 <= list.size()) {
+          size_t p1 = list.find(',', p0);
+          if (p1 == std::string::npos) p1 = list.size();
+          const std::string kind = list.substr(p0, p1 - p0);
+          if (!kind.empty()) {
+            b->bench_fill(*cache, ctx, s.seed);
+            report_trace(b->trace_step(*cache, clock, &gran, kind), ctx, gran, kind + " alone");
+          }
+          p0 = p1 + 1;
+        }
+      }
     }
     rows.push_back(row);
     cache.reset();
@@ -231,6 +341,11 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       std::printf("  %-20s %8s %10.1f\n", "total", "", total * 1e3);
     }
   }
+  if (s.trace) {
+    nlohmann::ordered_json tj = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < traces.size(); ++i) tj.push_back(report_trace(traces[i].second, traces[i].first, trace_timer[i]));
+    j["traces"] = tj;
+  }
   return j;
 }
 #endif
@@ -281,7 +396,7 @@ int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill"},
-         {"--profile"});
+         {"--profile", "--trace"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
@@ -291,6 +406,7 @@ int cmd_bench(int argc, char** argv) {
   s.repeats = static_cast<int>(a.integer("--repeats", 5, 1, 1000));
   s.seed = static_cast<uint64_t>(a.integer("--seed", 1, 0, 1ll << 62));
   s.profile = a.has("--profile");
+  s.trace = a.has("--trace");
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
   std::unique_ptr<ModelWeights> w;
   if (a.has("--synthetic")) {

@@ -22,10 +22,10 @@ constexpr int kAttnHeads = 8;  // query heads per block (kAttnPos * kAttnHeads =
 constexpr int kCombineThreads = 64;  // dims per combine block
 constexpr int kCombineGroups = 4;    // split groups per combine block
 
-__host__ __device__ inline int split_len(int n, int max_splits) {
+__host__ __device__ inline int split_len(int n, int max_splits, int min_split) {
   int per = (n + max_splits - 1) / max_splits;
   per = (per + 31) / 32 * 32;
-  return per < 32 ? 32 : per;
+  return per < min_split ? min_split : per;
 }
 
 template <int DPL, bool BF>
@@ -98,13 +98,15 @@ __device__ __forceinline__ uint16_t to_bf16_bits(float f) {
 template <int HD, bool BF>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int DPL = HD / 32;
+  trace_mark(p.trace, 0);
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
   const int split = blockIdx.x, kvh = blockIdx.y, hg0 = blockIdx.z * kAttnHeads;
   const int G = p.nh / p.nkv;
   const int gcount = min(kAttnHeads, G - hg0);
   const int pos = p.ctrl->pos, n = pos + 1;
-  const int len = split_len(n, p.max_splits);
+  const int len = split_len(n, p.max_splits, p.min_split);
   const int p0 = split * len;
   if (p0 >= n) return;
   const int p1 = min(n, p0 + len);
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     }
   }
   __syncthreads();
+  trace_mark(p.trace, 2);
 
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   float acc[kAttnHeads][DPL];
@@ -304,19 +307,22 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
       p.part_ml[hs * 2 + 1] = Lsum;
     }
   }
+  trace_end(p.trace);
 }
 
 // Block (head, 64 dims): 4 groups of 64 threads split the context splits,
 // each keeping 8 loads in flight, then the groups are summed in shared memory.
 __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_combine_kernel(const __grid_constant__ AttentionParams p) {
+  trace_mark(p.trace, 0);
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
   extern __shared__ float wsm[];  // [max_splits] weights
   __shared__ float scratch[32];
   __shared__ float part[kCombineGroups][kCombineThreads];
   const int h = blockIdx.x, tid = threadIdx.x, HD = p.hd;
   const int n = p.ctrl->pos + 1;
-  const int len = split_len(n, p.max_splits);
+  const int len = split_len(n, p.max_splits, p.min_split);
   const int ns = (n + len - 1) / len;
   const float* ml = p.part_ml + size_t(h) * p.max_splits * 2;
   float M = -INFINITY;
@@ -329,6 +335,7 @@ __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_co
     L = fmaf(w, ml[2 * s + 1], L);
   }
   L = block_sum(L, scratch);  // also orders the wsm writes before the reads below
+  trace_mark(p.trace, 2);
   const int lane_e = tid % kCombineThreads, g = tid / kCombineThreads;
   const int e = blockIdx.y * kCombineThreads + lane_e;
   float o = 0.f;
@@ -349,6 +356,7 @@ __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_co
   }
   part[g][lane_e] = o;
   __syncthreads();
+  trace_mark(p.trace, 3);
   if (g != 0 || e >= HD) return;
   float t = 0.f;
 #pragma unroll
@@ -371,15 +379,20 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   (void)init;
   const int G = p.nh / p.nkv;
   const dim3 grid(p.max_splits, p.nkv, (G + kAttnHeads - 1) / kAttnHeads);
-  launch_kernel("attention", attention_kernel<HD, BF>, grid, dim3(kAttnThreads), smem, s, pdl, p);
+  AttentionParams q = p;
+  q.trace = next_trace();
+  launch_kernel("attention", attention_kernel<HD, BF>, grid, dim3(kAttnThreads), smem, s, pdl, q);
 }
 
 }  // namespace
 
-int attention_split_len_host(int n, int max_splits) { return split_len(n, max_splits); }
+int attention_split_len_host(int n, int max_splits, int min_split) {
+  return split_len(n, max_splits, min_split);
+}
 
 void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
   if (p.nh % p.nkv != 0) fail("attention: ", p.nh, " query heads over ", p.nkv, " KV heads");
+  if (p.min_split < 32 || p.min_split % 32) fail("attention: min_split ", p.min_split, " (a multiple of 32)");
   if (p.rotary_dim <= 0 || p.rotary_dim > p.hd || p.rotary_dim % 2)
     fail("attention: rotary dim ", p.rotary_dim, " for head dim ", p.hd);
   const bool bf = p.kv_bf16 != 0;
@@ -394,8 +407,10 @@ void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
 
 void launch_attention_combine(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const dim3 grid(p.nh, (p.hd + kCombineThreads - 1) / kCombineThreads);
+  AttentionParams q = p;
+  q.trace = next_trace();
   launch_kernel("attention_combine", attention_combine_kernel, grid, dim3(kCombineThreads * kCombineGroups),
-                size_t(p.max_splits) * 4, s, pdl, p);
+                size_t(p.max_splits) * 4, s, pdl, q);
 }
 
 }  // namespace lily::cuda

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -47,6 +48,7 @@ CudaOptions options_from_env() {
     else fail("LILY_CUDA_KV='", s, "': expected f32 or bf16");
   }
   if (const char* v = std::getenv("LILY_CUDA_PDL")) o.pdl = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ATTN_MIN_SPLIT")) o.attn_min_split = std::max(32, std::atoi(v) / 32 * 32);
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK")) {
@@ -485,6 +487,7 @@ struct CudaBackend::Impl {
         o.norm_w = L.dn_norm.as<float>();
         o.seg = c.linear_value_head_dim;
         o.gate_z = P + C;
+        o.gate_z_early = 1;  // z comes from the in_proj, two launches back
         o.eps = c.rms_norm_eps;
         o.epi = Epilogue::Add;
         add_matvec(steps, "deltanet.out_proj", {{&L.out, X}}, o);
@@ -506,6 +509,7 @@ struct CudaBackend::Impl {
         a.part_o = part_o.as<float>();
         a.part_ml = part_ml.as<float>();
         a.max_splits = opt.max_splits;
+        a.min_split = opt.attn_min_split;
         a.ctrl = ctrl;
         a.nh = c.num_heads;
         a.nkv = c.num_kv_heads;
@@ -1320,6 +1324,116 @@ std::vector<KernelTiming> CudaBackend::profile_step_graphs(SequenceCache& base, 
     // The lm_head advances the position: put it back.
     LILY_CUDA(cudaMemcpy(cache.dctrl(), &saved, sizeof saved, cudaMemcpyHostToDevice));
     out.push_back(k);
+  }
+  return out;
+}
+
+std::vector<TracedLaunch> CudaBackend::trace_step(SequenceCache& base, double sm_mhz, double* timer_ns,
+                                                  const std::string& only) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  m.ensure_capacity(cache, cache.n_past() + 8);
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  DecodeCtrl saved;
+  LILY_CUDA(cudaMemcpy(&saved, cache.dctrl(), sizeof saved, cudaMemcpyDeviceToHost));
+  std::vector<Step> steps = m.build_steps(cache);
+  constexpr int kBlocksCap = 2048;
+  const int max_launches = static_cast<int>(steps.size()) * 4;
+  DeviceBuffer recs(size_t(max_launches) * kBlocksCap * sizeof(TraceRec));
+  std::vector<std::string> launch_name;
+  set_trace(recs.as<TraceRec>(), max_launches, kBlocksCap);
+  cudaGraphExec_t exec = nullptr;
+  try {
+    exec = capture(m.stream, [&] {
+      for (const Step& st : steps) {
+        if (!only.empty() && st.name != only) continue;
+        const int before = traced_launches();
+        st.run(m.stream, m.opt.pdl);
+        for (int i = before; i < traced_launches(); ++i) launch_name.push_back(st.name);
+      }
+    });
+  } catch (...) {
+    set_trace(nullptr, 0, 0);
+    throw;
+  }
+  set_trace(nullptr, 0, 0);
+  for (int r = 0; r < 3; ++r) {
+    if (r == 2) LILY_CUDA(cudaMemsetAsync(recs.get(), 0, recs.bytes(), m.stream));
+    LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), &saved, sizeof saved, cudaMemcpyHostToDevice, m.stream));
+    LILY_CUDA(cudaGraphLaunch(exec, m.stream));
+  }
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  cudaGraphExecDestroy(exec);
+  const int n = std::min<int>(static_cast<int>(launch_name.size()), max_launches);
+  std::vector<TraceRec> h(size_t(n) * kBlocksCap);
+  LILY_CUDA(cudaMemcpy(h.data(), recs.get(), h.size() * sizeof(TraceRec), cudaMemcpyDeviceToHost));
+  LILY_CUDA(cudaMemcpy(cache.dctrl(), &saved, sizeof saved, cudaMemcpyHostToDevice));
+
+  unsigned long long t0 = ~0ull;
+  for (const TraceRec& r : h)
+    if (r.t[0]) t0 = std::min(t0, r.t[0]);
+  // LILY_TRACE_RAW=FILE: every block's record as text (analysis off line).
+  if (const char* raw = std::getenv("LILY_TRACE_RAW"); raw && *raw) {
+    if (FILE* f = std::fopen(raw, "a")) {
+      for (int l = 0; l < n; ++l)
+        for (int b = 0; b < kBlocksCap; ++b) {
+          const TraceRec& r = h[size_t(l) * kBlocksCap + b];
+          if (!r.t[0]) continue;
+          std::fprintf(f, "%d %s %d %u %llu %llu %llu %llu", l, launch_name[l].c_str(), b, r.sm, r.t[0] - t0,
+                       r.t[1] ? r.t[1] - t0 : 0ull, r.t[2] ? r.t[2] - t0 : 0ull, r.t[3] ? r.t[3] - t0 : 0ull);
+          for (int i = 0; i < 8; ++i) std::fprintf(f, " %u", r.c[i]);
+          std::fprintf(f, "\n");
+        }
+      std::fclose(f);
+    }
+  }
+  // The timer's granularity: the smallest positive gap between marks.
+  std::vector<unsigned long long> all;
+  for (const TraceRec& r : h)
+    for (int i = 0; i < 4; ++i)
+      if (r.t[i]) all.push_back(r.t[i]);
+  std::sort(all.begin(), all.end());
+  unsigned long long gran = ~0ull;
+  for (size_t i = 1; i < all.size(); ++i)
+    if (all[i] > all[i - 1]) gran = std::min(gran, all[i] - all[i - 1]);
+  if (timer_ns) *timer_ns = gran == ~0ull ? 0 : double(gran);
+  auto us = [&](unsigned long long t) { return (double(t) - double(t0)) * 1e-3; };
+  auto med = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<TracedLaunch> out;
+  double prev_end = 0;
+  for (int l = 0; l < n; ++l) {
+    TracedLaunch L;
+    L.name = launch_name[l];
+    std::vector<double> entry, wait, end, setup, body, sub[4];
+    for (int b = 0; b < kBlocksCap; ++b) {
+      const TraceRec& r = h[size_t(l) * kBlocksCap + b];
+      if (!r.t[0]) continue;
+      entry.push_back(us(r.t[0]));
+      if (r.t[1]) wait.push_back(us(r.t[1]));
+      if (r.t[3]) end.push_back(us(r.t[3]));
+      if (r.t[1] && r.t[2]) setup.push_back(double(r.c[2] - r.c[1]) / sm_mhz);
+      if (r.t[2] && r.t[3]) body.push_back(double(r.c[3] - r.c[2]) / sm_mhz);
+      for (int i = 0; i < 4; ++i) {
+        const unsigned from = i < 3 ? r.c[1] : r.c[2];
+        if (r.c[4 + i] && r.t[i < 3 ? 1 : 2]) sub[i].push_back(double(r.c[4 + i] - from) / sm_mhz);
+      }
+      if (l > 0 && us(r.t[0]) < prev_end) L.pre_launched++;
+    }
+    L.blocks = static_cast<int>(entry.size());
+    if (!entry.empty()) L.entry_first = *std::min_element(entry.begin(), entry.end());
+    if (!wait.empty()) L.wait_first = *std::min_element(wait.begin(), wait.end());
+    L.wait_med = med(wait);
+    L.end_med = med(end);
+    L.end_last = end.empty() ? L.wait_first : *std::max_element(end.begin(), end.end());
+    L.setup_us = med(setup);
+    L.body_us = med(body);
+    for (int i = 0; i < 4; ++i) L.sub_us[i] = med(sub[i]);
+    prev_end = L.end_last;
+    out.push_back(L);
   }
   return out;
 }

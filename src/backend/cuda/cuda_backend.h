@@ -28,6 +28,7 @@ struct CudaOptions {
   bool pdl = true;       // programmatic dependent launch between kernels
   bool graphs = true;    // replay each decode step from a CUDA graph
   int max_splits = 128;  // context splits of the attention kernel
+  int attn_min_split = 32;  // positions per split at least (LILY_CUDA_ATTN_MIN_SPLIT)
   uint64_t seed = 1;     // synthetic weights
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
   int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
@@ -41,6 +42,22 @@ struct KernelTiming {
   int launches = 0;
   double ms = 0;     // summed over launches
   double bytes = 0;  // summed minimum traffic over launches
+};
+
+// One launch of a traced decode step (see TraceSpec in kernels.h). Times are
+// in microseconds from the first block entry of the step's first launch;
+// setup and body are medians over the launch's blocks of the SM-clock
+// intervals wait -> end of setup (input staging, routing) -> block end.
+struct TracedLaunch {
+  std::string name;
+  int blocks = 0;         // blocks with a record
+  int pre_launched = 0;   // blocks that entered before the previous launch's last block ended
+  double entry_first = 0, wait_first = 0, wait_med = 0, end_med = 0, end_last = 0;
+  double setup_us = 0, body_us = 0;
+  // Kernel-specific sub-steps (medians; 0 when not marked), matvec: x loaded
+  // (or routed), norm reduced, input swizzled (from the wait), first item
+  // computed (from the end of the setup).
+  double sub_us[4] = {0, 0, 0, 0};
 };
 
 class CudaBackend : public Backend {
@@ -77,6 +94,14 @@ class CudaBackend : public Backend {
   std::vector<KernelTiming> profile_step_graphs(SequenceCache& cache, int replays);
   // Device time of a graph of `launches` empty kernels (launch overhead floor).
   double empty_graph_us(int launches, int blocks, bool pdl);
+  // The whole decode step captured once with per-block timeline records
+  // (TraceSpec) and replayed; returns the last replay's launches in step
+  // order. sm_mhz converts the SM-clock intervals. The cache's position is
+  // restored afterwards.
+  // With `only` set, just that kind's launches are captured (as
+  // profile_step_graphs does).
+  std::vector<TracedLaunch> trace_step(SequenceCache& cache, double sm_mhz, double* timer_ns = nullptr,
+                                       const std::string& only = "");
   bool graph_uses_pdl(SequenceCache& cache);
   // Minimum bytes one decode step moves at context length ctx (weights read,
   // DeltaNet state read + written, KV read).

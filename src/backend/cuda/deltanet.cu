@@ -26,6 +26,7 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
   const int dk = p.dk, dv = p.dv, nk = p.nk, nv = p.nv, K = p.K;
   const int ratio = nv / nk, kh = h / ratio;
   const int C = 2 * nk * dk + nv * dv;
+  trace_mark(p.trace, 0);
   float* S = p.state + size_t(h) * dk * dv + cb * kDnCols;  // row i at S[i * dv + j]
   // The state slice only depends on this layer's previous step: load it
   // before the predecessor kernel (the in_proj) has finished.
@@ -67,6 +68,7 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
   const float a_log = p.a_log[h], dt_bias = p.dt_bias[h];
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
 
   float xt[kDnChPerThread];
 #pragma unroll
@@ -83,6 +85,7 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
     if (i >= 2 * dk || own_qk) p.conv_ring[size_t(chs[u]) * K + pos % K] = xt[u];
   }
   __syncthreads();
+  trace_mark(p.trace, 2);
   float sq = 0.f, sk = 0.f;
   for (int i = tid; i < dk; i += kDnThreads) {
     sq = fmaf(qs[i], qs[i], sq);
@@ -133,6 +136,7 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
     for (int q = 0; q < kDnRowGroups; ++q) ot += red[q][j];
     p.out[size_t(h) * dv + cb * kDnCols + j] = ot;
   }
+  trace_end(p.trace);
 }
 
 }  // namespace
@@ -142,8 +146,10 @@ void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl) {
   if (p.dk % kDnRowGroups != 0 || p.dk > kDnMaxDk)
     fail("deltanet: key head dim ", p.dk, " must be a multiple of 4 and at most ", kDnMaxDk);
   if (p.nv % p.nk != 0) fail("deltanet: value heads not a multiple of key heads");
+  DeltaNetParams q = p;
+  q.trace = next_trace();
   launch_kernel("deltanet_step", deltanet_step_kernel, dim3(p.nv, p.dv / kDnCols), dim3(kDnThreads), 0,
-                s, pdl, p);
+                s, pdl, q);
 }
 
 }  // namespace lily::cuda

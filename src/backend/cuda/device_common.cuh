@@ -25,6 +25,58 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// Step timeline marks (see TraceSpec): mark i of this block's record, by
+// thread 0. trace_end orders it after every thread of the block.
+__device__ __forceinline__ void trace_mark(const TraceSpec& t, int i) {
+  if (!t.recs) return;
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || b >= static_cast<unsigned>(t.blocks_cap)) return;
+  TraceRec& r = t.recs[size_t(t.launch) * t.blocks_cap + b];
+  unsigned long long g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  r.t[i] = g;
+  r.c[i] = static_cast<unsigned>(clock64());
+  if (i == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    r.sm = sm;
+    r.blocks = gridDim.x * gridDim.y * gridDim.z;
+  }
+}
+// A clock-only sub-step mark (i in 4..7).
+__device__ __forceinline__ void trace_clock(const TraceSpec& t, int i) {
+  if (!t.recs) return;
+  const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || b >= static_cast<unsigned>(t.blocks_cap)) return;
+  t.recs[size_t(t.launch) * t.blocks_cap + b].c[i] = static_cast<unsigned>(clock64());
+}
+__device__ __forceinline__ void trace_end(const TraceSpec& t) {
+  if (!t.recs) return;
+  __syncthreads();
+  trace_mark(t, 3);
+}
+
+// Asynchronous copies global -> shared (a thread reads back only what it
+// copied itself, so waiting on its own groups is enough; the wait is a
+// compiler memory barrier so no shared load is hoisted above it).
+__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void async_copy4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Weights are read once per step: bypass L1.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;

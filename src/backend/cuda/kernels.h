@@ -65,6 +65,31 @@ struct DecodeCtrl {
   unsigned long long argmax_key;  // (ordered logit bits << 32) | ~index; 0 = none
 };
 
+// ---- step timeline (lily bench --trace) ---------------------------------------
+// When a trace is armed (set_trace), every decode launch takes the next launch
+// number and thread 0 of each block writes its record
+// recs[launch * blocks_cap + block]: the global timer (ns) and the SM's clock
+// at entry, after griddepcontrol.wait, after the setup (input staging,
+// routing) and at the block's end. Off (recs == nullptr) by default: one
+// uniform branch per mark.
+struct TraceRec {
+  unsigned long long t[4];  // %globaltimer, ns
+  unsigned c[8];            // clock64() low 32 bits: c[0..3] with t[0..3]; c[4..7] kernel-specific sub-steps
+  unsigned sm, blocks;
+  unsigned pad[6];
+};
+struct TraceSpec {
+  TraceRec* recs = nullptr;
+  int launch = 0;
+  int blocks_cap = 0;
+};
+// Arms (recs non-null) or disarms the trace; launches beyond max_launches
+// are not traced.
+void set_trace(TraceRec* recs, int max_launches, int blocks_cap);
+// The spec for the next launch (and advances the launch number).
+TraceSpec next_trace();
+int traced_launches();
+
 // ---- matvec: y = W x for a few matrices that share the input ------------------
 constexpr int kMaxJobs = 12;
 constexpr int kMatvecThreads = 256;
@@ -127,6 +152,11 @@ struct MatvecParams {
   unsigned* counter = nullptr;  // zero between launches; the last block resets it
   DecodeCtrl* ctrl = nullptr;  // argmax / LmHead: argmax_key, pos += 1 at the end
   int balanced = 0;            // set by launch_matvec: the tile split (see matvec_body)
+  int l2_prefetch = 0;         // set by launch_matvec: the second tile's L2 prefetch (LILY_CUDA_L2PF=1)
+  // gate_z was written before the previous kernel started (by the launch
+  // two back), so the gated prologue may read it before griddepcontrol.wait.
+  int gate_z_early = 0;
+  TraceSpec trace;  // set by the launch function
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
 
@@ -146,6 +176,8 @@ struct MoeDownParams {
   int njobs = 0;
   MoeDownJob jobs[kMaxJobs];
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
+  int fast_stage = 0;    // set by launch_moe_down: one-pass staging
+  TraceSpec trace;  // set by the launch function
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
 
@@ -163,6 +195,7 @@ struct DeltaNetParams {
   float* out = nullptr;
   const DecodeCtrl* ctrl = nullptr;
   int nk = 0, nv = 0, dk = 0, dv = 0, K = 0;
+  TraceSpec trace;  // set by the launch function
 };
 void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl);
 
@@ -183,20 +216,23 @@ struct AttentionParams {
   float* part_o = nullptr;   // [nh][max_splits][hd]
   float* part_ml = nullptr;  // [nh][max_splits][2]
   int max_splits = 0;
+  int min_split = 32;  // positions per split at least (a multiple of 32)
   const DecodeCtrl* ctrl = nullptr;
   int nh = 0, nkv = 0, hd = 0, q_head_stride = 0, gated = 0;
   float* out = nullptr;  // combine: [nh * hd], times sigmoid(gate) when gated
+  TraceSpec trace;  // set by the launch function
 };
 void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl);
 void launch_attention_combine(const AttentionParams& p, cudaStream_t s, bool pdl);
 // Positions per split for a context of n positions (shared by both kernels).
-int attention_split_len_host(int n, int max_splits);
+int attention_split_len_host(int n, int max_splits, int min_split = 32);
 
 // ---- Embedding lookup (the first kernel of a step) ---------------------------
 struct EmbedParams {
   DevMatView m;
   DecodeCtrl* ctrl = nullptr;
   float* x = nullptr;
+  TraceSpec trace;
 };
 void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl);
 

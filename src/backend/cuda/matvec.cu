@@ -114,6 +114,7 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
     }
   }
   __syncthreads();
+  trace_clock(p.trace, 5);
   const int n = p.chunks * CF::FPC;
   constexpr int U = 8;
   for (int i0 = tid; i0 < n; i0 += nthr * U) {
@@ -143,6 +144,7 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
     }
   }
   __syncthreads();
+  trace_clock(p.trace, 6);
   if constexpr (CF::affine) {
     const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
     for (int c = tid; c < p.chunks; c += nthr) {
@@ -158,6 +160,97 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
   }
 }
 
+// Barrier over the first n threads of... a named barrier (id 1..15) over n
+// threads (a multiple of 32).
+__device__ __forceinline__ void named_bar(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// Staging in one pass (the fast path): staging thread t of n (n a multiple of
+// 32, warp-aligned) owns the float4 pieces f = t + k n of the staged input.
+// It loads its pieces of x (all loads in flight at once), reduces the norm
+// (the whole input: warp sums + one barrier over the staging threads; per
+// 128-wide segment: one warp sum, since a warp's 32 pieces at one k are
+// exactly one segment), scales by the norm weights staged before the wait
+// (times silu(z) when that was known before the wait too), writes each piece
+// to its swizzled slot and, for affine formats, sums a chunk's PPC pieces
+// over the PPC adjacent lanes that hold them. kMaxPieces pieces per thread.
+// The caller synchronises the block afterwards.
+constexpr int kMaxPieces = 4;
+constexpr int kDownPieces = 6;
+__host__ __device__ inline bool fast_stage_ok(int cols, int pieces, int seg, Prologue pro, int nthr) {
+  return cols % 4 == 0 && pieces <= kMaxPieces * nthr && (pro != Prologue::GatedNorm || seg == 128) &&
+         (pro != Prologue::Norm || seg == cols);
+}
+template <QFmt F>
+__device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
+                                           int n, int bar_id, float* red) {
+  using CF = ChunkFmt<F>;
+  const int lane = t & 31, w = t >> 5, nwarps = n >> 5;
+  const int n4 = p.cols / 4, NP = p.chunks * CF::PPC;
+  const float4* x4 = reinterpret_cast<const float4*>(p.x);
+  const float4* nw4 = reinterpret_cast<const float4*>(smem + L.nw);
+  const bool late_z = p.pro == Prologue::GatedNorm && !p.gate_z_early;
+  float4 v[kMaxPieces], z[kMaxPieces];
+#pragma unroll
+  for (int k = 0; k < kMaxPieces; ++k) {
+    const int f = t + k * n;
+    v[k] = f < n4 ? x4[f] : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (late_z) z[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  float scale[kMaxPieces];
+#pragma unroll
+  for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f;
+  if (p.pro == Prologue::Norm) {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k)
+      ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
+    ss = warp_sum(ss);
+    if (lane == 0) red[w] = ss;
+    named_bar(bar_id, n);
+    float tot = 0.f;
+    for (int i = 0; i < nwarps; ++i) tot += red[i];
+    const float r = 1.f / sqrtf(tot / static_cast<float>(p.seg) + p.eps);
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) scale[k] = r;
+  } else if (p.pro == Prologue::GatedNorm) {
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) {
+      if (k * n + w * 32 >= n4) break;  // warp-uniform
+      float ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, v[k].w * v[k].w)));
+      ss = warp_sum(ss);
+      scale[k] = 1.f / sqrtf(ss / 128.f + p.eps);
+    }
+  }
+  float4* xs4 = reinterpret_cast<float4*>(smem + L.xs);
+#pragma unroll
+  for (int k = 0; k < kMaxPieces; ++k) {
+    if (k * n + w * 32 >= NP) break;  // warp-uniform
+    const int f = t + k * n;
+    float4 a = v[k];
+    if (p.pro != Prologue::None && f < n4) {
+      float4 g = nw4[f];
+      if (late_z) {
+        g.x *= silu(z[k].x);
+        g.y *= silu(z[k].y);
+        g.z *= silu(z[k].z);
+        g.w *= silu(z[k].w);
+      }
+      const float s = scale[k];
+      a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
+    }
+    const int c = f / CF::PPC, q = f - c * CF::PPC;
+    if (f < NP) xs4[c * CF::PPC + (q ^ CF::swz(c))] = a;
+    if constexpr (CF::affine) {
+      float s = (a.x + a.y) + (a.z + a.w);
+#pragma unroll
+      for (int o = 1; o < CF::PPC; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (f < NP && q == 0) smem[L.xsum + c] = s;
+    }
+  }
+}
+
 // MoE routing by one warp (see RouteSpec); lane l holds experts l + 32 i,
 // i < V. Probabilities as the CPU computes them (max, expf(l - max), sum,
 // divide); top-k by k rounds of warp arg-max over (probability, lower index),
@@ -166,7 +259,7 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
 // the CPU adds it. Lane j < k ends with slot j. The expert ids go to shared
 // memory (s_idx); block 0 writes ids and weights to global memory.
 template <int V>
-__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx) {
+__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const TraceSpec& tr) {
   const int lane = threadIdx.x & 31, E = r.experts, k = r.k;
   const float g = r.shared_gate_logit ? __ldcg(r.shared_gate_logit) : 0.f;
   float v[V];
@@ -178,6 +271,7 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx) {
     mx = fmaxf(mx, v[i]);
   }
   mx = warp_max(mx);
+  trace_clock(tr, 5);  // logits loaded
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
@@ -208,6 +302,7 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx) {
       my_p = __uint_as_float(m - 1u);
     }
   }
+  trace_clock(tr, 6);  // top k chosen
   float top = 0.f;
   for (int j = 0; j < k; ++j) top += __shfl_sync(0xffffffffu, my_p, j);
   const float w = r.norm_topk ? my_p / top : my_p;
@@ -313,7 +408,7 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
 
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
-template <QFmt F, bool Route>
+template <QFmt F, bool Route, bool Fast>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -321,6 +416,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   const MatvecSmem L = matvec_smem_layout(p.chunks, CF::FPC, p.cols, nseg);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = p.chunks;
+  trace_mark(p.trace, 0);
 
   int total = 0;
   for (int j = 0; j < p.njobs; ++j) total += job_tiles(p.jobs[j].rows);
@@ -354,7 +450,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   }
   // And the block's second tile into L2 (not a routed one: measured, that
   // costs more than it saves once the expert is known).
-  if (t_begin + 1 < t_end) {
+  if (p.l2_prefetch && t_begin + 1 < t_end) {
     const MatvecJob& J = p.jobs[tile_job(p, t_begin + 1, &base)];
     if (J.slot < 0) {
       const int r0 = (t_begin + 1 - base) * kRowsPerTile;
@@ -366,17 +462,41 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       }
     }
   }
-  if (p.pro != Prologue::None)
-    for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
+  if (p.pro != Prologue::None) {
+    if (Fast && p.pro == Prologue::GatedNorm && p.gate_z_early) {
+      for (int i = tid; i < p.cols; i += blockDim.x)
+        smem[L.nw + i] = __ldg(p.norm_w + i % p.seg) * silu(__ldcg(p.gate_z + i));
+    } else {
+      for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
+    }
+  }
+  __shared__ float s_red[kMatvecThreads / 32];
+  if constexpr (Fast) __syncthreads();  // the norm weights, for every staging thread
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
   // x is loaded while warp 0 routes; the routed tiles' loads go out as soon
   // as the selection is in shared memory, before the rest of the staging.
-  float ss;
-  if constexpr (Route) {
+  float ss = 0.f;
+  if constexpr (Fast) {
+    if (Route && warp == 0) {
+      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace);
+      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace);
+    } else {
+      const int t0 = Route ? 32 : 0;
+      stage_fast<F>(p, smem, L, tid - t0, blockDim.x - t0, 1, s_red);
+    }
+    trace_clock(p.trace, 4);
+    __syncthreads();
+    if (Route && first_routed) {
+      tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
+      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+    }
+  } else if constexpr (Route) {
     if (warp == 0) {
-      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx);
-      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx);
+      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace);
+      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace);
+      trace_clock(p.trace, 4);
       ss = 0.f;
     } else {
       ss = stage_load(p, smem + L.raw, tid - 32, blockDim.x - 32);
@@ -388,8 +508,10 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
   } else {
     ss = stage_load(p, smem + L.raw, tid, blockDim.x);
+    trace_clock(p.trace, 4);
   }
-  stage_finish<F>(p, smem, L, ss);
+  if constexpr (!Fast) stage_finish<F>(p, smem, L, ss);
+  trace_mark(p.trace, 2);
   const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
   const float* xsum = smem + L.xsum;
 
@@ -404,6 +526,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, p.chunks_per_group, nxt);
     }
     if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
+    if (q == 0) trace_clock(p.trace, 7);
     if (k == niter - 1 && tr_cur.valid) {
       acc[0] = warp_sum(acc[0]);
       acc[1] = warp_sum(acc[1]);
@@ -468,17 +591,18 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       }
     }
   }
+  trace_end(p.trace);
 }
 
 // No register cap (about 95 registers for q4: 2 blocks per SM); _3: capped
 // at 85 registers for 3 blocks per SM (a few bytes of spills).
-template <QFmt F, bool Route>
+template <QFmt F, bool Route, bool Fast>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, Route>(p);
+  matvec_body<F, Route, Fast>(p);
 }
 template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, Route>(p);
+  matvec_body<F, Route, false>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
@@ -496,6 +620,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
   const int per_block = (tiles + gridDim.x - 1) / gridDim.x;
   const int t_begin = blockIdx.x * per_block, t_end = min(tiles, t_begin + per_block);
+  trace_mark(p.trace, 0);
 
   // Prefetch the rows of fixed (shared-expert) jobs of the first tile.
   if (t_begin < t_end) {
@@ -510,6 +635,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
 
   if (tid < p.njobs) {
     const MoeDownJob& J = p.jobs[tid];
@@ -521,7 +647,44 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   // Stage every job's input, item = job * chunks + chunk.
   const int cols = p.cols, per_job = chunks * CF::FPC;
   const int total_in = p.njobs * per_job;
-  for (int i0 = tid; i0 < total_in; i0 += blockDim.x * 8) {
+  float* xsum = smem + items * CF::FPC;
+  const float4* xs = reinterpret_cast<const float4*>(smem);
+  // Items of a warp: (tile, step) with two (expert, chunk) items per lane per
+  // step.
+  const int niter = (items + 63) / 64;
+  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
+  if (p.fast_stage) {
+    // One pass: thread t owns the float4 pieces t + k * blockDim.x of the
+    // (job, chunk) inputs, all loads in flight at once; a chunk's sum over
+    // the PPC adjacent lanes that hold its pieces.
+    constexpr int KP = kDownPieces;
+    const int NP = items * CF::PPC, nthr = blockDim.x, w = tid >> 5;
+    float4 v[KP];
+#pragma unroll
+    for (int k = 0; k < KP; ++k) {
+      const int f = tid + k * nthr;
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (f < NP) {
+        const int item = f / CF::PPC, jj = item / chunks, within = (item - jj * chunks) * CF::FPC + (f % CF::PPC) * 4;
+        if (within < cols) v[k] = *reinterpret_cast<const float4*>(p.jobs[jj].x + within);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < KP; ++k) {
+      if (k * nthr + w * 32 >= NP) break;  // warp-uniform
+      const int f = tid + k * nthr;
+      const int c = f / CF::PPC, q = f - c * CF::PPC;
+      if (f < NP) reinterpret_cast<float4*>(smem)[c * CF::PPC + (q ^ CF::swz(c))] = v[k];
+      if constexpr (CF::affine) {
+        float s = (v[k].x + v[k].y) + (v[k].z + v[k].w);
+#pragma unroll
+        for (int o = 1; o < CF::PPC; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (f < NP && q == 0) xsum[c] = s;
+      }
+    }
+    __syncthreads();
+  }
+  for (int i0 = p.fast_stage ? total_in : tid; i0 < total_in; i0 += blockDim.x * 8) {
     float v[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -538,10 +701,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
       smem[CF::slot(item, within_job % CF::FPC)] = v[u];
     }
   }
-  __syncthreads();
-  float* xsum = smem + items * CF::FPC;
-  const float4* xs = reinterpret_cast<const float4*>(smem);
-  if constexpr (CF::affine) {
+  if (!p.fast_stage) __syncthreads();
+  if (CF::affine && !p.fast_stage) {
     for (int c = tid; c < items; c += blockDim.x) {
       float s = 0.f;
 #pragma unroll
@@ -553,11 +714,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
     }
     __syncthreads();
   }
+  trace_mark(p.trace, 2);
 
-  // Items of a warp: (tile, step) with two (expert, chunk) items per lane per
-  // step; the next step's loads go out before the current one is computed.
-  const int niter = (items + 63) / 64;
-  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
   auto load = [&](int q, uint4 (&w)[2][2], uint32_t (&sv)[2][2]) {
     const int tl = q / niter, k = q - tl * niter;
     const int r0 = (t_begin + tl) * kRowsPerTile + warp * 2;
@@ -605,15 +763,15 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
           }
         }
       }
-      if (k == niter - 1) {
-        acc[0] = warp_sum(acc[0]);
-        acc[1] = warp_sum(acc[1]);
-        if (lane == 0) {
-          p.out[r0] += acc[0];
-          if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
-        }
-        acc[0] = acc[1] = 0.f;
+    }
+    if (r0 < p.rows && k == niter - 1) {
+      acc[0] = warp_sum(acc[0]);
+      acc[1] = warp_sum(acc[1]);
+      if (lane == 0) {
+        p.out[r0] += acc[0];
+        if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
       }
+      acc[0] = acc[1] = 0.f;
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u)
@@ -623,6 +781,14 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         sc[u][r] = sn[u][r];
       }
   }
+  trace_end(p.trace);
+}
+
+// An A/B switch read once per name from the environment ("0" / "1").
+int env_switch(const char* name, int dflt) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return dflt;
+  return std::string(e) == "0" ? 0 : 1;
 }
 
 template <typename Kernel>
@@ -661,6 +827,8 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   }();
   MatvecParams q = p;
   q.balanced = balanced ? 1 : 0;
+  q.l2_prefetch = env_switch("LILY_CUDA_L2PF", 0);
+  q.trace = next_trace();
   int grid = std::min(tiles, max_grid);
   if (!balanced) {
     const int per_block = (tiles + max_grid - 1) / max_grid;
@@ -672,13 +840,22 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
 template <QFmt F, bool Route>
 void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
-    allow_big_smem(matvec_kernel<F, Route>);
+    allow_big_smem(matvec_kernel<F, Route, false>);
+    allow_big_smem(matvec_kernel<F, Route, true>);
     allow_big_smem(matvec_kernel_3<F, Route>);
     return true;
   }();
   (void)init;
+  // The one-pass staging where the shape allows it (and unless
+  // LILY_CUDA_FAST_STAGE=0, an A/B switch).
+  const int nthr = Route ? kMatvecThreads - 32 : kMatvecThreads;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                       (!p.gate_z || reinterpret_cast<uintptr_t>(p.gate_z) % 16 == 0);
+  const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
+                    fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
   if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
-  else launch_matvec_k(matvec_kernel<F, Route>, F, p, s, pdl);
+  else if (fast) launch_matvec_k(matvec_kernel<F, Route, true>, F, p, s, pdl);
+  else launch_matvec_k(matvec_kernel<F, Route, false>, F, p, s, pdl);
 }
 template <QFmt F>
 void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
@@ -693,14 +870,22 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
     return true;
   }();
   (void)init;
+  auto kernel = moe_down_kernel<F>;
   const int items = p.njobs * p.chunks;
   const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
   const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
-  const int max_grid = device_sm_count() * max_blocks_per_sm(moe_down_kernel<F>, smem);
+  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
-  launch_kernel("moe_down", moe_down_kernel<F>, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, p);
+  MoeDownParams q = p;
+  q.trace = next_trace();
+  {
+    bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
+    for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
+    q.fast_stage = env_switch("LILY_CUDA_FAST_STAGE", 1) && ok;
+  }
+  launch_kernel("moe_down", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
 }
 
 }  // namespace

@@ -43,8 +43,10 @@ __device__ __forceinline__ void embed_row(const DevMatView& m, size_t row, float
 
 template <QFmt F>
 __global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ EmbedParams p) {
+  trace_mark(p.trace, 0);
   pdl_wait();
   pdl_launch_dependents();
+  trace_mark(p.trace, 1);
   __shared__ int s_tok;
   if (threadIdx.x == 0) {
     DecodeCtrl* c = p.ctrl;
@@ -55,7 +57,9 @@ __global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ Embe
     s_tok = tok;
   }
   __syncthreads();
+  trace_mark(p.trace, 2);
   embed_row<F>(p.m, static_cast<size_t>(s_tok), p.x);
+  trace_end(p.trace);
 }
 
 // One block per token.
@@ -130,12 +134,36 @@ dim3 fill_grid(size_t n) {
 
 }  // namespace
 
+namespace {
+TraceSpec g_trace;  // armed by set_trace (host side, one stream at a time)
+int g_trace_max = 0;
+}  // namespace
+
+void set_trace(TraceRec* recs, int max_launches, int blocks_cap) {
+  g_trace = TraceSpec{};
+  g_trace.recs = recs;
+  g_trace.blocks_cap = blocks_cap;
+  g_trace_max = recs ? max_launches : 0;
+}
+
+TraceSpec next_trace() {
+  if (!g_trace.recs) return TraceSpec{};
+  TraceSpec t = g_trace;
+  ++g_trace.launch;
+  if (t.launch >= g_trace_max) t.recs = nullptr;
+  return t;
+}
+
+int traced_launches() { return g_trace.launch; }
+
 void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl) {
+  EmbedParams q = p;
+  q.trace = next_trace();
   switch (p.m.fmt) {
-    case QFmt::Q4: return launch_kernel("embed", embed_kernel<QFmt::Q4>, dim3(1), dim3(256), 0, s, pdl, p);
-    case QFmt::Q8: return launch_kernel("embed", embed_kernel<QFmt::Q8>, dim3(1), dim3(256), 0, s, pdl, p);
-    case QFmt::BF16: return launch_kernel("embed", embed_kernel<QFmt::BF16>, dim3(1), dim3(256), 0, s, pdl, p);
-    case QFmt::F32: return launch_kernel("embed", embed_kernel<QFmt::F32>, dim3(1), dim3(256), 0, s, pdl, p);
+    case QFmt::Q4: return launch_kernel("embed", embed_kernel<QFmt::Q4>, dim3(1), dim3(256), 0, s, pdl, q);
+    case QFmt::Q8: return launch_kernel("embed", embed_kernel<QFmt::Q8>, dim3(1), dim3(256), 0, s, pdl, q);
+    case QFmt::BF16: return launch_kernel("embed", embed_kernel<QFmt::BF16>, dim3(1), dim3(256), 0, s, pdl, q);
+    case QFmt::F32: return launch_kernel("embed", embed_kernel<QFmt::F32>, dim3(1), dim3(256), 0, s, pdl, q);
   }
 }
 
