@@ -72,6 +72,15 @@ struct FastStageEnv {
   explicit FastStageEnv(const char* fast) { setenv("LILY_CUDA_FAST_STAGE", fast, 1); }
   ~FastStageEnv() { unsetenv("LILY_CUDA_FAST_STAGE"); }
 };
+// Runs a test body with the one-pass input staging (the default where it
+// applies) and with the general one.
+void with_both_stagings(void (*body)()) {
+  for (const char* fast : {"1", "0"}) {
+    FastStageEnv env(fast);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
+    body();
+  }
+}
 
 void every_format_and_prologue() {
   std::mt19937 rng(7);
@@ -134,13 +143,7 @@ void every_format_and_prologue() {
 
 TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
-  // The one-pass input staging (the default where it applies) and the
-  // general one.
-  for (const char* fast : {"1", "0"}) {
-    FastStageEnv env(fast);
-    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
-    every_format_and_prologue();
-  }
+  with_both_stagings(every_format_and_prologue);
 }
 
 // E experts' gate and up (I x H, q4 g64), uploaded as the backend does: one
@@ -327,13 +330,7 @@ void routed_gate_up() {
 
 TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
-  // The one-pass input staging (the default where it applies) and the
-  // general one.
-  for (const char* fast : {"1", "0"}) {
-    FastStageEnv env(fast);
-    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
-    routed_gate_up();
-  }
+  with_both_stagings(routed_gate_up);
 }
 
 TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
@@ -412,13 +409,7 @@ void moe_down_weighted_sum() {
 
 TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
-  // The one-pass input staging (the default where it applies) and the
-  // general one.
-  for (const char* fast : {"1", "0"}) {
-    FastStageEnv env(fast);
-    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
-    moe_down_weighted_sum();
-  }
+  with_both_stagings(moe_down_weighted_sum);
 }
 
 // Several decode steps of one DeltaNet layer against the CPU recurrence.
