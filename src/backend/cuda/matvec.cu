@@ -160,8 +160,8 @@ __device__ void stage_finish(const MatvecParams& p, float* smem, const MatvecSme
   }
 }
 
-// Barrier over the first n threads of... a named barrier (id 1..15) over n
-// threads (a multiple of 32).
+// A named barrier (id 1..15) that n threads, whole warps, meet at (the
+// staging warps while warp 0 routes).
 __device__ __forceinline__ void named_bar(int id, int n) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
