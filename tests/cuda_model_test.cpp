@@ -332,7 +332,9 @@ TEST(CudaModel, StepTraceCoversEveryLaunch) {
     EXPECT_LE(L.wait_first, L.end_last);
     EXPECT_GE(L.setup_us, 0);
     EXPECT_GE(L.body_us, 0);
-    if (i > 0) EXPECT_LE(tr[i - 1].wait_first, L.wait_first);  // each waits for its predecessor
+    if (i > 0) {
+      EXPECT_LE(tr[i - 1].wait_first, L.wait_first);  // each waits for its predecessor
+    }
   }
   // Tracing is disarmed again: a normal launch records nothing.
   EXPECT_EQ(cuda::next_trace().recs, nullptr);
