@@ -1379,8 +1379,9 @@ std::vector<TracedLaunch> CudaBackend::trace_step(SequenceCache& base, double sm
         for (int b = 0; b < kBlocksCap; ++b) {
           const TraceRec& r = h[size_t(l) * kBlocksCap + b];
           if (!r.t[0]) continue;
-          std::fprintf(f, "%d %s %d %u %llu %llu %llu %llu", l, launch_name[l].c_str(), b, r.sm, r.t[0] - t0,
-                       r.t[1] ? r.t[1] - t0 : 0ull, r.t[2] ? r.t[2] - t0 : 0ull, r.t[3] ? r.t[3] - t0 : 0ull);
+          std::fprintf(f, "%d %s %d/%u %u %llu %llu %llu %llu", l, launch_name[l].c_str(), b, r.blocks, r.sm,
+                       r.t[0] - t0, r.t[1] ? r.t[1] - t0 : 0ull, r.t[2] ? r.t[2] - t0 : 0ull,
+                       r.t[3] ? r.t[3] - t0 : 0ull);
           for (int i = 0; i < 8; ++i) std::fprintf(f, " %u", r.c[i]);
           std::fprintf(f, "\n");
         }

@@ -56,27 +56,6 @@ __device__ __forceinline__ void trace_end(const TraceSpec& t) {
   trace_mark(t, 3);
 }
 
-// Asynchronous copies global -> shared (a thread reads back only what it
-// copied itself, so waiting on its own groups is enough; the wait is a
-// compiler memory barrier so no shared load is hoisted above it).
-__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void async_copy4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(dst))),
-               "l"(src)
-               : "memory");
-}
-__device__ __forceinline__ void async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // Weights are read once per step: bypass L1.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;

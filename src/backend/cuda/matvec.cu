@@ -178,10 +178,26 @@ __device__ __forceinline__ void named_bar(int id, int n) {
 // The caller synchronises the block afterwards.
 constexpr int kMaxPieces = 4;
 constexpr int kDownPieces = 6;
-__host__ __device__ inline bool fast_stage_ok(int cols, int pieces, int seg, Prologue pro, int nthr) {
+inline bool fast_stage_ok(int cols, int pieces, int seg, Prologue pro, int nthr) {
   return cols % 4 == 0 && pieces <= kMaxPieces * nthr && (pro != Prologue::GatedNorm || seg == 128) &&
          (pro != Prologue::Norm || seg == cols);
 }
+// Writes staged piece f (of NP) to its swizzled slot and, for affine formats,
+// its chunk's sum from the PPC adjacent lanes that hold the chunk's pieces
+// (every lane of the warp calls it).
+template <QFmt F>
+__device__ __forceinline__ void put_piece(float* smem, float* xsum, int f, int NP, float4 a) {
+  using CF = ChunkFmt<F>;
+  const int c = f / CF::PPC, q = f - c * CF::PPC;
+  if (f < NP) reinterpret_cast<float4*>(smem)[c * CF::PPC + (q ^ CF::swz(c))] = a;
+  if constexpr (CF::affine) {
+    float s = (a.x + a.y) + (a.z + a.w);
+#pragma unroll
+    for (int o = 1; o < CF::PPC; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (f < NP && q == 0) xsum[c] = s;
+  }
+}
+
 template <QFmt F>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
                                            int n, int bar_id, float* red) {
@@ -223,7 +239,6 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       scale[k] = 1.f / sqrtf(ss / 128.f + p.eps);
     }
   }
-  float4* xs4 = reinterpret_cast<float4*>(smem + L.xs);
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) {
     if (k * n + w * 32 >= NP) break;  // warp-uniform
@@ -240,14 +255,7 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       const float s = scale[k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
-    const int c = f / CF::PPC, q = f - c * CF::PPC;
-    if (f < NP) xs4[c * CF::PPC + (q ^ CF::swz(c))] = a;
-    if constexpr (CF::affine) {
-      float s = (a.x + a.y) + (a.z + a.w);
-#pragma unroll
-      for (int o = 1; o < CF::PPC; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (f < NP && q == 0) smem[L.xsum + c] = s;
-    }
+    put_piece<F>(smem + L.xs, smem + L.xsum, f, NP, a);
   }
 }
 
@@ -672,15 +680,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 #pragma unroll
     for (int k = 0; k < KP; ++k) {
       if (k * nthr + w * 32 >= NP) break;  // warp-uniform
-      const int f = tid + k * nthr;
-      const int c = f / CF::PPC, q = f - c * CF::PPC;
-      if (f < NP) reinterpret_cast<float4*>(smem)[c * CF::PPC + (q ^ CF::swz(c))] = v[k];
-      if constexpr (CF::affine) {
-        float s = (v[k].x + v[k].y) + (v[k].z + v[k].w);
-#pragma unroll
-        for (int o = 1; o < CF::PPC; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (f < NP && q == 0) xsum[c] = s;
-      }
+      put_piece<F>(smem, xsum, tid + k * nthr, NP, v[k]);
     }
     __syncthreads();
   }
@@ -784,7 +784,9 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   trace_end(p.trace);
 }
 
-// An A/B switch read once per name from the environment ("0" / "1").
+// An A/B switch from the environment ("0" / "1"), read at each launch: the
+// decode step is captured into a graph once, and the kernel tests flip the
+// switches between launches.
 int env_switch(const char* name, int dflt) {
   const char* e = std::getenv(name);
   if (!e || !*e) return dflt;
