@@ -472,8 +472,22 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   }
   if (p.pro != Prologue::None) {
     if (Fast && p.pro == Prologue::GatedNorm && p.gate_z_early) {
-      for (int i = tid; i < p.cols; i += blockDim.x)
-        smem[L.nw + i] = __ldg(p.norm_w + i % p.seg) * silu(__ldcg(p.gate_z + i));
+      // Eight loads of each kind in flight per thread (one at a time, this
+      // loop reached the wait after its predecessor had ended: v10 trace).
+      for (int i0 = tid; i0 < p.cols; i0 += blockDim.x * 8) {
+        float a[8], zz[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int i = i0 + u * blockDim.x;
+          a[u] = i < p.cols ? __ldg(p.norm_w + i % p.seg) : 0.f;
+          zz[u] = i < p.cols ? __ldcg(p.gate_z + i) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int i = i0 + u * blockDim.x;
+          if (i < p.cols) smem[L.nw + i] = a[u] * silu(zz[u]);
+        }
+      }
     } else {
       for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
     }
