@@ -366,8 +366,20 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
 
 void moe_down_weighted_sum() {
   std::mt19937 rng(3);
+  struct Shape {
+    int E, H, I, J;
+  };
+  // Few items per row (one warp per row pair), and the model's 9 x 512
+  // (two or four warps per row pair: q4 144 items, bf16 576), each also
+  // with LILY_CUDA_DOWN_SPLIT=0 (one warp per row pair throughout).
+  const Shape shapes[] = {{6, 77, 192, 4}, {12, 77, 512, 9}};
+  for (const Shape& sh_ : shapes)
+  for (const char* split : {"1", "0"})
   for (WeightFormat f : {WeightFormat::Affine4, WeightFormat::BF16}) {
-    const int E = 6, H = 77, I = 192, J = 4;
+    setenv("LILY_CUDA_DOWN_SPLIT", split, 1);
+    SCOPED_TRACE(std::string("I ") + std::to_string(sh_.I) + " J " + std::to_string(sh_.J) +
+                 " LILY_CUDA_DOWN_SPLIT=" + split);
+    const int E = sh_.E, H = sh_.H, I = sh_.I, J = sh_.J;
     std::vector<test::HostMatrix> downs;
     for (int e = 0; e < E; ++e) downs.push_back(random_matrix(f, H, I, 64, DType::BF16, rng));
     cuda::MatPacker pk(downs[0].m, H * E);
@@ -375,7 +387,8 @@ void moe_down_weighted_sum() {
     auto stack = pk.finish(1);
     auto shared = random_matrix(f, H, I, 64, DType::BF16, rng);
     auto dshared = cuda::upload_matrix(shared.m, 2);
-    const std::vector<int> sel = {4, 1, 5};
+    std::vector<int> sel;  // J - 1 distinct routed experts (the last job is the shared one)
+    for (int j = 0; j < J - 1; ++j) sel.push_back((4 + 7 * j) % E);
     const auto coef = random_vec(J, rng, 0.1f, 1.f);
     const auto xs = random_vec(size_t(J) * I, rng);
     const auto base = random_vec(H, rng);
@@ -404,6 +417,7 @@ void moe_down_weighted_sum() {
       for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
     }
     EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
+    unsetenv("LILY_CUDA_DOWN_SPLIT");
   }
 }
 

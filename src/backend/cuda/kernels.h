@@ -177,6 +177,7 @@ struct MoeDownParams {
   MoeDownJob jobs[kMaxJobs];
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
+  int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
   TraceSpec trace;  // set by the launch function
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);

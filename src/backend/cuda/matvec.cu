@@ -630,7 +630,7 @@ __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __gri
 // out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
 // walks the (expert, chunk) items of both, so all experts' rows for one
 // output are summed in registers with no atomics.
-template <QFmt F>
+template <QFmt F, int U>
 __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -639,7 +639,12 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   __shared__ float s_coef[kMaxJobs];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = p.chunks, items = p.njobs * chunks;
-  const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
+  // p.split warps share a row pair, each over its own range of items (see
+  // launch_moe_down_t); a tile is the block's 8 / split row pairs.
+  const int W = p.split, TR = 2 * (kMatvecThreads / 32 / W);
+  const int pair = warp / W, sub = warp - pair * W;
+  const int per = (items + W - 1) / W, ibeg = sub * per, iend = min(items, ibeg + per);
+  const int tiles = (p.rows + TR - 1) / TR;
   const int per_block = (tiles + gridDim.x - 1) / gridDim.x;
   const int t_begin = blockIdx.x * per_block, t_end = min(tiles, t_begin + per_block);
   trace_mark(p.trace, 0);
@@ -671,9 +676,9 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   const int total_in = p.njobs * per_job;
   float* xsum = smem + items * CF::FPC;
   const float4* xs = reinterpret_cast<const float4*>(smem);
-  // Items of a warp: (tile, step) with two (expert, chunk) items per lane per
-  // step.
-  const int niter = (items + 63) / 64;
+  // Items of a warp: (tile, step) with U (expert, chunk) items per lane per
+  // step, from its range [ibeg, iend).
+  const int niter = (per + 32 * U - 1) / (32 * U);
   const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
   if (p.fast_stage) {
     // One pass: thread t owns the float4 pieces t + k * blockDim.x of the
@@ -730,15 +735,15 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   trace_mark(p.trace, 2);
 
-  auto load = [&](int q, uint4 (&w)[2][2], uint32_t (&sv)[2][2]) {
+  auto load = [&](int q, uint4 (&w)[U][2], uint32_t (&sv)[U][2]) {
     const int tl = q / niter, k = q - tl * niter;
-    const int r0 = (t_begin + tl) * kRowsPerTile + warp * 2;
+    const int r0 = (t_begin + tl) * TR + pair * 2;
     if (r0 >= p.rows) return;
     const int rb = r0 + 1 < p.rows ? r0 + 1 : r0;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int it = 64 * k + lane + 32 * u;
-      if (it < items) {
+    for (int u = 0; u < U; ++u) {
+      const int it = ibeg + 32 * U * k + lane + 32 * u;
+      if (it < iend) {
         const int jj = it / chunks, c = it - jj * chunks;
         const uint4* wj = s_w[jj];
         w[u][0] = ld_stream(wj + size_t(r0) * chunks + c);
@@ -751,19 +756,22 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
       }
     }
   };
-  uint4 wc[2][2], wn[2][2];
-  uint32_t sc[2][2] = {{0, 0}, {0, 0}}, sn[2][2] = {{0, 0}, {0, 0}};
+  __shared__ float s_part[kMatvecThreads / 32][2];
+  uint4 wc[U][2], wn[U][2];
+  uint32_t sc[U][2], sn[U][2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
   if (nq > 0) load(0, wc, sc);
   float acc[2] = {0.f, 0.f};
   for (int q = 0; q < nq; ++q) {
     const int tl = q / niter, k = q - tl * niter;
-    const int r0 = (t_begin + tl) * kRowsPerTile + warp * 2;
+    const int r0 = (t_begin + tl) * TR + pair * 2;
     if (q + 1 < nq) load(q + 1, wn, sn);
     if (r0 < p.rows) {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int it = 64 * k + lane + 32 * u;
-        if (it < items) {
+      for (int u = 0; u < U; ++u) {
+        const int it = ibeg + 32 * U * k + lane + 32 * u;
+        if (it < iend) {
           float d[2];
           chunk_dot<F, 2>(wc[u], xs, it, d);
           const float coef = s_coef[it / chunks];
@@ -778,17 +786,36 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         }
       }
     }
-    if (r0 < p.rows && k == niter - 1) {
+    if (k == niter - 1) {  // the same step in every warp of the block
       acc[0] = warp_sum(acc[0]);
       acc[1] = warp_sum(acc[1]);
-      if (lane == 0) {
-        p.out[r0] += acc[0];
-        if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
+      if (W == 1) {
+        if (lane == 0 && r0 < p.rows) {
+          p.out[r0] += acc[0];
+          if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
+        }
+      } else {
+        // The row pair's W partial sums, added in sub order.
+        if (lane == 0) {
+          s_part[warp][0] = acc[0];
+          s_part[warp][1] = acc[1];
+        }
+        __syncthreads();
+        if (sub == 0 && lane == 0 && r0 < p.rows) {
+          float t0 = 0.f, t1 = 0.f;
+          for (int j = 0; j < W; ++j) {
+            t0 += s_part[warp + j][0];
+            t1 += s_part[warp + j][1];
+          }
+          p.out[r0] += t0;
+          if (r0 + 1 < p.rows) p.out[r0 + 1] += t1;
+        }
+        __syncthreads();
       }
       acc[0] = acc[1] = 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < 2; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         wc[u][r] = wn[u][r];
@@ -882,19 +909,30 @@ void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
 template <QFmt F>
 void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
-    allow_big_smem(moe_down_kernel<F>);
+    allow_big_smem(moe_down_kernel<F, 2>);
+    allow_big_smem(moe_down_kernel<F, 3>);
     return true;
   }();
   (void)init;
-  auto kernel = moe_down_kernel<F>;
   const int items = p.njobs * p.chunks;
+  MoeDownParams q = p;
+  // Warps per row pair and items per lane per step: one step per warp where
+  // it fits (up to 96 items per warp), so a warp's loads all go out at once;
+  // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
+  int U = 2;
+  q.split = 1;
+  if (env_switch("LILY_CUDA_DOWN_SPLIT", 1) && items > 64) {
+    U = 3;
+    q.split = items <= 2 * 96 ? 2 : 4;
+  }
+  auto kernel = U == 3 ? moe_down_kernel<F, 3> : moe_down_kernel<F, 2>;
   const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
-  const int tiles = (p.rows + kRowsPerTile - 1) / kRowsPerTile;
+  const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
+  const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
   if (tiles == 0) return;
   const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
-  MoeDownParams q = p;
   q.trace = next_trace();
   {
     bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
