@@ -259,60 +259,92 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
   }
 }
 
-// MoE routing by one warp (see RouteSpec); lane l holds experts l + 32 i,
-// i < V. Probabilities as the CPU computes them (max, expf(l - max), sum,
-// divide); top-k by k rounds of warp arg-max over (probability, lower index),
-// keyed as float bits + 1 (probabilities are >= 0, so the bits order them;
-// 0 marks an empty or taken slot); the renormalising sum in rank order, as
-// the CPU adds it. Lane j < k ends with slot j. The expert ids go to shared
+// MoE routing by one warp (see RouteSpec). Lane l holds experts l V + i,
+// i < V (contiguous, so a lower lane means a lower expert). The top k are
+// chosen on the logits, keyed as order-preserving bits (softmax is
+// monotonic: the probabilities' order, exact ties included; a pair of
+// logits one ulp apart could round to one probability, where the CPU would
+// take the lower index), by k rounds of one max reduction and one ballot
+// over each lane's best remaining key. Then only the k chosen
+// probabilities, as the CPU computes them: expf(l - max) / sum, the first
+// round's key being the maximum (the exponential sum does not wait for the
+// later rounds). Lane j < k ends with slot j. The expert ids go to shared
 // memory (s_idx); block 0 writes ids and weights to global memory.
+__device__ __forceinline__ unsigned order_key(float f) {
+  const unsigned u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
 template <int V>
 __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const TraceSpec& tr) {
   const int lane = threadIdx.x & 31, E = r.experts, k = r.k;
   const float g = r.shared_gate_logit ? __ldcg(r.shared_gate_logit) : 0.f;
   float v[V];
-  float mx = -INFINITY;
+  if (E == 32 * V && reinterpret_cast<uintptr_t>(r.logits) % 16 == 0) {
+    const float4* l4 = reinterpret_cast<const float4*>(r.logits) + lane * (V / 4);
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    const int e = lane + 32 * i;
-    v[i] = e < E ? __ldcg(r.logits + e) : -INFINITY;
-    mx = fmaxf(mx, v[i]);
-  }
-  mx = warp_max(mx);
-  trace_clock(tr, 5);  // logits loaded
-  float sum = 0.f;
+    for (int i = 0; i < V / 4; ++i) {
+      const float4 t = __ldcg(l4 + i);
+      v[4 * i] = t.x;
+      v[4 * i + 1] = t.y;
+      v[4 * i + 2] = t.z;
+      v[4 * i + 3] = t.w;
+    }
+  } else {
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    v[i] = lane + 32 * i < E ? expf(v[i] - mx) : 0.f;
-    sum += v[i];
-  }
-  sum = warp_sum(sum);  // xor butterfly: the same value in every lane
-  unsigned key[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) key[i] = lane + 32 * i < E ? __float_as_uint(v[i] / sum) + 1u : 0u;
-  int my_e = 0;
-  float my_p = 0.f;
-  for (int j = 0; j < k; ++j) {
-    unsigned best = 0;
-#pragma unroll
-    for (int i = 0; i < V; ++i) best = max(best, key[i]);
-    const unsigned m = __reduce_max_sync(0xffffffffu, best);
-    unsigned cand = 0xffffffffu;  // the lane's lowest expert with key m
-#pragma unroll
-    for (int i = V - 1; i >= 0; --i)
-      if (key[i] == m) cand = lane + 32 * i;
-    const unsigned ew = __reduce_min_sync(0xffffffffu, cand);
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (lane + 32 * i == static_cast<int>(ew)) key[i] = 0u;
-    if (lane == j) {
-      my_e = static_cast<int>(ew);
-      my_p = __uint_as_float(m - 1u);
+    for (int i = 0; i < V; ++i) {
+      const int e = lane * V + i;
+      v[i] = e < E ? __ldcg(r.logits + e) : -INFINITY;
     }
   }
+  unsigned key[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) key[i] = lane * V + i < E ? order_key(v[i]) : 0u;
+  // The lane's best remaining key and its lowest slot.
+  auto best_of = [&](unsigned& b, int& bi) {
+    b = key[0];
+    bi = 0;
+#pragma unroll
+    for (int i = 1; i < V; ++i)
+      if (key[i] > b) {
+        b = key[i];
+        bi = i;
+      }
+  };
+  unsigned lb;
+  int li;
+  best_of(lb, li);
+  trace_clock(tr, 5);  // logits loaded
+  int my_e = 0;
+  unsigned my_key = 0;
+  float mx = 0.f, sum = 0.f;
+  for (int j = 0; j < k; ++j) {
+    const unsigned m = __reduce_max_sync(0xffffffffu, lb);
+    const unsigned ball = __ballot_sync(0xffffffffu, lb == m);
+    const int wl = __ffs(ball) - 1;
+    const int wi = __shfl_sync(0xffffffffu, li, wl);
+    if (j == 0) {
+      mx = key_float(m);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum += lane * V + i < E ? expf(v[i] - mx) : 0.f;
+    }
+    if (lane == j) {
+      my_e = wl * V + wi;
+      my_key = m;
+    }
+    if (lane == wl) {
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (i == li) key[i] = 0u;
+      best_of(lb, li);
+    }
+  }
+  sum = warp_sum(sum);
   trace_clock(tr, 6);  // top k chosen
-  float top = 0.f;
-  for (int j = 0; j < k; ++j) top += __shfl_sync(0xffffffffu, my_p, j);
+  const float my_p = lane < k ? expf(key_float(my_key) - mx) / sum : 0.f;
+  const float top = warp_sum(my_p);
   const float w = r.norm_topk ? my_p / top : my_p;
   if (lane < k) s_idx[lane] = my_e;
   if (blockIdx.x == 0) {  // for the down projection
@@ -930,7 +962,9 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
   const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
   if (tiles == 0) return;
-  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
+  int bps = max_blocks_per_sm(kernel, smem);
+  if (const char* e = std::getenv("LILY_CUDA_DOWN_BPS"); e && *e) bps = std::max(1, std::min(bps, std::atoi(e)));
+  const int max_grid = device_sm_count() * bps;
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
   q.trace = next_trace();
