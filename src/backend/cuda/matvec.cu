@@ -171,7 +171,7 @@ __device__ __forceinline__ void named_bar(int id, int n) {
 // It loads its pieces of x (all loads in flight at once), reduces the norm
 // (the whole input: warp sums + one barrier over the staging threads; per
 // 128-wide segment: one warp sum, since a warp's 32 pieces at one k are
-// exactly one segment), scales by the norm weights staged before the wait
+// exactly one segment), scales by the norm weights loaded before the wait
 // (times silu(z) when that was known before the wait too), writes each piece
 // to its swizzled slot and, for affine formats, sums a chunk's PPC pieces
 // over the PPC adjacent lanes that hold them. kMaxPieces pieces per thread.
@@ -198,21 +198,54 @@ __device__ __forceinline__ void put_piece(float* smem, float* xsum, int f, int N
   }
 }
 
+// The norm weights (and the gate z, when known before the wait) of staging
+// thread t's pieces, loaded into registers before the wait: nothing waits
+// for them there, so the block reaches griddepcontrol.wait at once (stored
+// to shared memory first, they held in_proj / out_proj blocks 2-3 us past
+// their predecessor's end, behind the first item's weight loads: v11 trace).
+// Norm: one weight piece per input piece (a); gated (128-wide segments): a
+// thread's pieces all sit at one offset of their segments, so one weight
+// piece (g), and a holds the thread's pieces of z.
+struct StageRegs {
+  float4 a[kMaxPieces], g;
+};
+__device__ __forceinline__ void stage_regs_load(const MatvecParams& p, int t, int n, StageRegs& r) {
+  const int n4 = p.cols / 4;
+  const float4* nw4 = reinterpret_cast<const float4*>(p.norm_w);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (p.pro == Prologue::Norm) {
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) {
+      const int f = t + k * n;
+      r.a[k] = f < n4 ? __ldg(nw4 + f) : zero;
+    }
+  } else if (p.pro == Prologue::GatedNorm) {
+    r.g = __ldg(nw4 + (t & 31));
+    if (p.gate_z_early) {
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; ++k) {
+        const int f = t + k * n;
+        r.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : zero;
+      }
+    }
+  }
+}
+
 template <QFmt F>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
-                                           int n, int bar_id, float* red) {
+                                           int n, int bar_id, float* red, StageRegs& sr) {
   using CF = ChunkFmt<F>;
   const int lane = t & 31, w = t >> 5, nwarps = n >> 5;
   const int n4 = p.cols / 4, NP = p.chunks * CF::PPC;
   const float4* x4 = reinterpret_cast<const float4*>(p.x);
-  const float4* nw4 = reinterpret_cast<const float4*>(smem + L.nw);
   const bool late_z = p.pro == Prologue::GatedNorm && !p.gate_z_early;
-  float4 v[kMaxPieces], z[kMaxPieces];
+  float4 v[kMaxPieces];
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) {
     const int f = t + k * n;
     v[k] = f < n4 ? x4[f] : make_float4(0.f, 0.f, 0.f, 0.f);
-    if (late_z) z[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
+    if (late_z)
+      sr.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   float scale[kMaxPieces];
 #pragma unroll
@@ -245,13 +278,9 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
     const int f = t + k * n;
     float4 a = v[k];
     if (p.pro != Prologue::None && f < n4) {
-      float4 g = nw4[f];
-      if (late_z) {
-        g.x *= silu(z[k].x);
-        g.y *= silu(z[k].y);
-        g.z *= silu(z[k].z);
-        g.w *= silu(z[k].w);
-      }
+      float4 g = sr.a[k];
+      if (p.pro == Prologue::GatedNorm)
+        g = make_float4(sr.g.x * silu(g.x), sr.g.y * silu(g.y), sr.g.z * silu(g.z), sr.g.w * silu(g.w));
       const float s = scale[k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
@@ -502,30 +531,14 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       }
     }
   }
-  if (p.pro != Prologue::None) {
-    if (Fast && p.pro == Prologue::GatedNorm && p.gate_z_early) {
-      // Eight loads of each kind in flight per thread (one at a time, this
-      // loop reached the wait after its predecessor had ended: v10 trace).
-      for (int i0 = tid; i0 < p.cols; i0 += blockDim.x * 8) {
-        float a[8], zz[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int i = i0 + u * blockDim.x;
-          a[u] = i < p.cols ? __ldg(p.norm_w + i % p.seg) : 0.f;
-          zz[u] = i < p.cols ? __ldcg(p.gate_z + i) : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int i = i0 + u * blockDim.x;
-          if (i < p.cols) smem[L.nw + i] = a[u] * silu(zz[u]);
-        }
-      }
-    } else {
-      for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
-    }
+  StageRegs sr;
+  const int st0 = Route ? 32 : 0;  // the staging threads: [st0, blockDim.x)
+  if constexpr (Fast) {
+    if (tid >= st0) stage_regs_load(p, tid - st0, blockDim.x - st0, sr);
+  } else if (p.pro != Prologue::None) {
+    for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
   }
   __shared__ float s_red[kMatvecThreads / 32];
-  if constexpr (Fast) __syncthreads();  // the norm weights, for every staging thread
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
@@ -537,8 +550,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace);
       else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace);
     } else {
-      const int t0 = Route ? 32 : 0;
-      stage_fast<F>(p, smem, L, tid - t0, blockDim.x - t0, 1, s_red);
+      stage_fast<F>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr);
     }
     trace_clock(p.trace, 4);
     __syncthreads();
@@ -925,7 +937,8 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
   // LILY_CUDA_FAST_STAGE=0, an A/B switch).
   const int nthr = Route ? kMatvecThreads - 32 : kMatvecThreads;
   const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                       (!p.gate_z || reinterpret_cast<uintptr_t>(p.gate_z) % 16 == 0);
+                       (!p.gate_z || reinterpret_cast<uintptr_t>(p.gate_z) % 16 == 0) &&
+                       (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
   const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
                     fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
   if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
