@@ -975,9 +975,7 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
   const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
   if (tiles == 0) return;
-  int bps = max_blocks_per_sm(kernel, smem);
-  if (const char* e = std::getenv("LILY_CUDA_DOWN_BPS"); e && *e) bps = std::max(1, std::min(bps, std::atoi(e)));
-  const int max_grid = device_sm_count() * bps;
+  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
   q.trace = next_trace();
