@@ -152,7 +152,8 @@ nlohmann::ordered_json report_trace(const std::vector<cuda::TracedLaunch>& t, in
   std::printf("  %-20s %8d %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f %5.0f%%\n", "total", tot.launches, tot.span,
               tot.gap, tot.spread, tot.setup, tot.body, tot.tail, tot.blocks ? 100.0 * tot.pre / tot.blocks : 0.0);
   std::printf("  per launch (us, medians over blocks, averaged over launches): setup sub-steps from the wait "
-              "(x loaded or routed / norm reduced / swizzled / setup) and body (first item / body):\n");
+              "(matvec: staged or routed / first x piece or logits in / norm scales or top-k known / setup) and body "
+              "(first item / body):\n");
   for (const Kind& k : kinds) {
     const double n = k.launches;
     std::printf("  %-20s %7.2f %7.2f %7.2f %7.2f | %7.2f %7.2f\n", k.name.c_str(), k.sub[0] / n, k.sub[1] / n,

@@ -54,9 +54,10 @@ struct TracedLaunch {
   int pre_launched = 0;   // blocks that entered before the previous launch's last block ended
   double entry_first = 0, wait_first = 0, wait_med = 0, end_med = 0, end_last = 0;
   double setup_us = 0, body_us = 0;
-  // Kernel-specific sub-steps (medians; 0 when not marked), matvec: x loaded
-  // (or routed), norm reduced, input swizzled (from the wait), first item
-  // computed (from the end of the setup).
+  // Kernel-specific sub-steps (medians; 0 when not marked), matvec: input
+  // staged (or routed), first x piece (or the router logits) in, norm scales
+  // (or the top k) known (from the wait), first item computed (from the end
+  // of the setup).
   double sub_us[4] = {0, 0, 0, 0};
 };
 

@@ -247,6 +247,12 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
     if (late_z)
       sr.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
+  // Sub-steps (trace only; the empty asm orders the mark after the value):
+  // 5, the first x piece arrived; 6, the norm scales known.
+  if (p.trace.recs) {
+    asm volatile("" ::"f"(v[0].x));
+    trace_clock(p.trace, 5);
+  }
   float scale[kMaxPieces];
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f;
@@ -271,6 +277,10 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       ss = warp_sum(ss);
       scale[k] = 1.f / sqrtf(ss / 128.f + p.eps);
     }
+  }
+  if (p.trace.recs) {
+    asm volatile("" ::"f"(scale[0]), "f"(scale[kMaxPieces - 1]));
+    trace_clock(p.trace, 6);
   }
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) {
@@ -345,7 +355,10 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const
   unsigned lb;
   int li;
   best_of(lb, li);
-  trace_clock(tr, 5);  // logits loaded
+  if (tr.recs) {
+    asm volatile("" ::"r"(lb));
+    trace_clock(tr, 5);  // logits loaded
+  }
   int my_e = 0;
   unsigned my_key = 0;
   float mx = 0.f, sum = 0.f;
