@@ -702,9 +702,10 @@ __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __gri
   matvec_body<F, Route, false>(p);
 }
 
-// out[r] += sum_j coef_j * (W_j x_j)[r]. Each warp owns two output rows and
-// walks the (expert, chunk) items of both, so all experts' rows for one
-// output are summed in registers with no atomics.
+// out[r] += sum_j coef_j * (W_j x_j)[r]. p.split warps (1, 2 or 4) own two
+// output rows and split the (expert, chunk) items of both, U per lane and
+// step, so all experts' rows for one output are summed in registers, the
+// warps' partial sums added in shared memory in warp order: no atomics.
 template <QFmt F, int U>
 __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
   using CF = ChunkFmt<F>;
