@@ -227,7 +227,7 @@ void routed_gate_up() {
   // ties: logits from the host, three distinct values (many exact ties);
   // those cases also run gate_up without an input prologue.
   const Case cases[] = {{37, 5, 1, 1, 0},  {37, 5, 0, 0, 0},  {300, 8, 1, 0, 0}, {512, 11, 1, 1, 0},
-                        {256, 8, 0, 1, 0}, {70, 6, 1, 1, 1},  {45, 7, 0, 0, 1}};
+                        {256, 8, 0, 1, 0}, {70, 6, 1, 1, 1},  {45, 7, 0, 0, 1},  {256, 8, 1, 1, 1}};
   const int H = 320, I = 45, Is = 29;
   for (const Case& rc : cases) {
     const int E = rc.E, k = rc.k;
