@@ -34,7 +34,9 @@ namespace {
 // Shared memory of a matvec block (floats): staged x, per-chunk sums, the raw
 // input (prologue scratch), per-segment inverse RMS and, with a norm
 // prologue, the norm weights per input (copied before the PDL wait: they are
-// constants, so their L2 round trip overlaps the previous kernel).
+// constants, so their L2 round trip overlaps the previous kernel). The
+// one-pass staging (stage_fast) keeps its norm weights in registers instead
+// (StageRegs) and leaves that area and the raw scratch unused.
 struct MatvecSmem {
   int xs, xsum, raw, seginv, nw, total;
 };
@@ -172,7 +174,8 @@ __device__ __forceinline__ void named_bar(int id, int n) {
 // (the whole input: warp sums + one barrier over the staging threads; per
 // 128-wide segment: one warp sum, since a warp's 32 pieces at one k are
 // exactly one segment), scales by the norm weights loaded before the wait
-// (times silu(z) when that was known before the wait too), writes each piece
+// (times silu(z); z too was loaded before the wait when it was already
+// written then, gate_z_early), writes each piece
 // to its swizzled slot and, for affine formats, sums a chunk's PPC pieces
 // over the PPC adjacent lanes that hold them. kMaxPieces pieces per thread.
 // The caller synchronises the block afterwards.
