@@ -66,17 +66,18 @@ const FormatCase kFormats[] = {
     {WeightFormat::F16, 0, DType::BF16, "f16"}, {WeightFormat::F32, 0, DType::BF16, "f32"},
 };
 
-// Sets LILY_CUDA_FAST_STAGE (the one-pass input staging) for one scope; the
-// launchers read it per launch.
-struct FastStageEnv {
-  explicit FastStageEnv(const char* fast) { setenv("LILY_CUDA_FAST_STAGE", fast, 1); }
-  ~FastStageEnv() { unsetenv("LILY_CUDA_FAST_STAGE"); }
+// Sets an A/B switch (e.g. LILY_CUDA_FAST_STAGE, the one-pass input staging)
+// for one scope; the launchers read them per launch.
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~ScopedEnv() { unsetenv(name); }
 };
 // Runs a test body with the one-pass input staging (the default where it
 // applies) and with the general one.
 void with_both_stagings(void (*body)()) {
   for (const char* fast : {"1", "0"}) {
-    FastStageEnv env(fast);
+    ScopedEnv env("LILY_CUDA_FAST_STAGE", fast);
     SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
     body();
   }
@@ -431,8 +432,10 @@ TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(13);
   struct Dims { int nk, nv, dk, dv, K; };
+  for (const char* fused : {"1", "0"})
   for (Dims d : {Dims{2, 4, 32, 32, 4}, Dims{3, 6, 128, 96, 4}, Dims{1, 3, 64, 64, 3}}) {
-    SCOPED_TRACE(std::to_string(d.dk) + "x" + std::to_string(d.dv));
+    ScopedEnv env("LILY_CUDA_DN_FUSED", fused);
+    SCOPED_TRACE(std::to_string(d.dk) + "x" + std::to_string(d.dv) + " LILY_CUDA_DN_FUSED=" + fused);
     const int C = 2 * d.nk * d.dk + d.nv * d.dv, V = d.nv * d.dv;
     const auto conv_w = random_vec(size_t(C) * d.K, rng, -0.5f, 0.5f);
     const auto a_log = random_vec(d.nv, rng, 0.f, 1.f), dt_bias = random_vec(d.nv, rng, -1, 1);

@@ -20,6 +20,14 @@ constexpr int kDnMaxRows = 32;                      // dk / 4 <= 32
 constexpr int kDnMaxDk = kDnMaxRows * kDnRowGroups;
 constexpr int kDnChPerThread = (2 * kDnMaxDk + kDnCols + kDnThreads - 1) / kDnThreads;  // 3
 
+// Fused: the state's two dot products taken in one pass before the norms are
+// known (v12). With q and k normalised by scalars (qn = qinv q, kn = kinv k)
+// and S' = decay S + kn delta^T:
+//   kv_j = decay kinv sum_i S_ij k_i,
+//   o_j  = sum_i S'_ij qn_i = decay qinv sum_i S_ij q_i + delta_j kinv qinv sum_i k_i q_i,
+// so sum q^2, sum k^2, sum k q and both column sums of S meet at one barrier
+// (against five rounds of block reductions before).
+template <bool Fused>
 __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_constant__ DeltaNetParams p) {
   const int h = blockIdx.x, cb = blockIdx.y;
   const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
@@ -86,6 +94,62 @@ __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_
   }
   __syncthreads();
   trace_mark(p.trace, 2);
+  if constexpr (Fused) {
+    __shared__ float2 red2[kDnRowGroups][kDnCols];
+    __shared__ float part[kDnThreads / 32][3];
+    float sq = 0.f, sk = 0.f, sqk = 0.f;
+    for (int i = tid; i < dk; i += kDnThreads) {
+      sq = fmaf(qs[i], qs[i], sq);
+      sk = fmaf(ks[i], ks[i], sk);
+      sqk = fmaf(qs[i], ks[i], sqk);
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    sqk = warp_sum(sqk);
+    if ((tid & 31) == 0) {
+      part[tid >> 5][0] = sq;
+      part[tid >> 5][1] = sk;
+      part[tid >> 5][2] = sqk;
+    }
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int r = 0; r < kDnMaxRows; ++r)
+      if (r < nr) {
+        const int i = qg + kDnRowGroups * r;
+        sa = fmaf(sr[r], ks[i], sa);
+        sb = fmaf(sr[r], qs[i], sb);
+      }
+    red2[qg][j] = make_float2(sa, sb);
+    const float beta = sigmoid(b);
+    const float decay = expf(-expf(a_log) * softplus(a + dt_bias));
+    __syncthreads();
+    sq = sk = sqk = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDnThreads / 32; ++w) {
+      sq += part[w][0];
+      sk += part[w][1];
+      sqk += part[w][2];
+    }
+    const float qinv = (1.f / sqrtf(sq + 1e-6f)) * (1.f / sqrtf(static_cast<float>(dk)));
+    const float kinv = 1.f / sqrtf(sk + 1e-6f);
+    float ta = 0.f, tb = 0.f;
+#pragma unroll
+    for (int q = 0; q < kDnRowGroups; ++q) {
+      ta += red2[q][j].x;
+      tb += red2[q][j].y;
+    }
+    const float delta = (vs[j] - decay * kinv * ta) * beta;
+    const float dk_delta = kinv * delta;
+#pragma unroll
+    for (int r = 0; r < kDnMaxRows; ++r)
+      if (r < nr) {
+        const int i = qg + kDnRowGroups * r;
+        S[size_t(i) * dv + j] = fmaf(ks[i], dk_delta, sr[r] * decay);
+      }
+    if (qg == 0) p.out[size_t(h) * dv + cb * kDnCols + j] = fmaf(decay * qinv, tb, delta * (kinv * qinv * sqk));
+    trace_end(p.trace);
+    return;
+  }
   float sq = 0.f, sk = 0.f;
   for (int i = tid; i < dk; i += kDnThreads) {
     sq = fmaf(qs[i], qs[i], sq);
@@ -148,8 +212,9 @@ void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl) {
   if (p.nv % p.nk != 0) fail("deltanet: value heads not a multiple of key heads");
   DeltaNetParams q = p;
   q.trace = next_trace();
-  launch_kernel("deltanet_step", deltanet_step_kernel, dim3(p.nv, p.dv / kDnCols), dim3(kDnThreads), 0,
-                s, pdl, q);
+  // LILY_CUDA_DN_FUSED=0: the step with a reduction round per quantity (A/B).
+  auto kernel = env_switch("LILY_CUDA_DN_FUSED", 1) ? deltanet_step_kernel<true> : deltanet_step_kernel<false>;
+  launch_kernel("deltanet_step", kernel, dim3(p.nv, p.dv / kDnCols), dim3(kDnThreads), 0, s, pdl, q);
 }
 
 }  // namespace lily::cuda

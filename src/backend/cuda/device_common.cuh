@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/kernels.h"
 #include "backend/cuda/cuda_util.h"
@@ -47,7 +49,7 @@ __device__ __forceinline__ void trace_mark(const TraceSpec& t, int i) {
 __device__ __forceinline__ void trace_clock(const TraceSpec& t, int i) {
   if (!t.recs) return;
   const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (threadIdx.x != 0 || b >= static_cast<unsigned>(t.blocks_cap)) return;
+  if (threadIdx.x != static_cast<unsigned>(t.clock_thread) || b >= static_cast<unsigned>(t.blocks_cap)) return;
   t.recs[size_t(t.launch) * t.blocks_cap + b].c[i] = static_cast<unsigned>(clock64());
 }
 __device__ __forceinline__ void trace_end(const TraceSpec& t) {
@@ -261,6 +263,15 @@ void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 b
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (e != cudaSuccess)
     fail("CUDA error launching ", name, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+}
+
+// An A/B switch from the environment ("0" / "1"), read at each launch: the
+// decode step is captured into a graph once, and the kernel tests flip the
+// switches between launches.
+inline int env_switch(const char* name, int dflt) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return dflt;
+  return std::string(e) == "0" ? 0 : 1;
 }
 
 inline int device_sm_count() {

@@ -82,6 +82,7 @@ struct TraceSpec {
   TraceRec* recs = nullptr;
   int launch = 0;
   int blocks_cap = 0;
+  int clock_thread = 0;  // the thread that takes the sub-step marks c[4..7]
 };
 // Arms (recs non-null) or disarms the trace; launches beyond max_launches
 // are not traced.

@@ -904,15 +904,6 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   trace_end(p.trace);
 }
 
-// An A/B switch from the environment ("0" / "1"), read at each launch: the
-// decode step is captured into a graph once, and the kernel tests flip the
-// switches between launches.
-int env_switch(const char* name, int dflt) {
-  const char* e = std::getenv(name);
-  if (!e || !*e) return dflt;
-  return std::string(e) == "0" ? 0 : 1;
-}
-
 template <typename Kernel>
 int max_blocks_per_sm(Kernel k, size_t smem) {
   int n = 0;
@@ -951,6 +942,10 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   q.balanced = balanced ? 1 : 0;
   q.l2_prefetch = env_switch("LILY_CUDA_L2PF", 0);
   q.trace = next_trace();
+  // LILY_TRACE_STAGING=1: a route launch's sub-steps from a staging warp
+  // (the first x piece, the norm scales, the staging done) instead of the
+  // routing warp (a trace diagnostic).
+  if (p.route.logits && env_switch("LILY_TRACE_STAGING", 0)) q.trace.clock_thread = 32;
   int grid = std::min(tiles, max_grid);
   if (!balanced) {
     const int per_block = (tiles + max_grid - 1) / max_grid;
