@@ -27,20 +27,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// A launch's parameters live in a constant bank that is new to every launch,
-// so the first read of each line misses; the job tables are read by a
-// runtime index (the tile's job, the routed expert's), one dependent miss
-// after another on the critical path. Threads t < the table's words read one
-// word each before griddepcontrol.wait, so those lines are cached by then.
-template <typename T>
-__device__ __forceinline__ void warm_param_table(const T& table, int t) {
-  constexpr int words = static_cast<int>(sizeof(T) / 4);
-  if (t < words) {
-    const uint32_t v = reinterpret_cast<const uint32_t*>(&table)[t];
-    asm volatile("" ::"r"(v));
-  }
-}
-
 // Step timeline marks (see TraceSpec): mark i of this block's record, by
 // thread 0. trace_end orders it after every thread of the block.
 __device__ __forceinline__ void trace_mark(const TraceSpec& t, int i) {

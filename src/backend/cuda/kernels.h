@@ -157,7 +157,6 @@ struct MatvecParams {
   // gate_z was written before the previous kernel started (by the launch
   // two back), so the gated prologue may read it before griddepcontrol.wait.
   int gate_z_early = 0;
-  int warm = 1;     // set by launch_matvec: touch the job table before the wait (LILY_CUDA_WARM)
   TraceSpec trace;  // set by the launch function
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
@@ -180,7 +179,6 @@ struct MoeDownParams {
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
   int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
-  int warm = 1;          // set by launch_moe_down: touch the job table before the wait (LILY_CUDA_WARM)
   TraceSpec trace;  // set by the launch function
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);

@@ -573,7 +573,6 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
   }
   __shared__ float s_red[kMatvecThreads / 32];
-  if (p.warm) warm_param_table(p.jobs, tid);
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
@@ -740,7 +739,6 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
                     (i % lpr) * 128);
     }
   }
-  if (p.warm) warm_param_table(p.jobs, tid);
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
@@ -943,7 +941,6 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   MatvecParams q = p;
   q.balanced = balanced ? 1 : 0;
   q.l2_prefetch = env_switch("LILY_CUDA_L2PF", 0);
-  q.warm = env_switch("LILY_CUDA_WARM", 1);
   q.trace = next_trace();
   // LILY_TRACE_STAGING=1: a route launch's sub-steps from a staging warp
   // (the first x piece, the norm scales, the staging done) instead of the
@@ -1012,7 +1009,6 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
   q.trace = next_trace();
-  q.warm = env_switch("LILY_CUDA_WARM", 1);
   {
     bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
     for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
