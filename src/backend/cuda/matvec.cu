@@ -428,6 +428,7 @@ struct TileRows {
   const uint32_t* s1;
   float* out;
   int r0, valid, has_b;
+  int job, slot;  // slot >= 0: the pointers still lack the routed expert's offset (tile_route)
 };
 
 __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base) {
@@ -437,28 +438,47 @@ __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base)
   return j;
 }
 
+// Tile t's rows of a warp in two parts: everything the parameters give
+// (tile_rows_pre; for the routed tile of a route launch before
+// griddepcontrol.wait, so the job search is off the path after the routing),
+// then the routed expert's offset (tile_route).
 template <bool kAffine>
-__device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int warp, const int* sel) {
+__device__ __forceinline__ TileRows tile_rows_pre(const MatvecParams& p, int t, int warp) {
   int base;
   const int j = tile_job(p, t, &base);
   const MatvecJob& J = p.jobs[j];
   TileRows tr;
+  tr.job = j;
+  tr.slot = J.slot;
   tr.r0 = (t - base) * kRowsPerTile + warp * 2;
   tr.valid = tr.r0 < J.rows;
   tr.has_b = tr.r0 + 1 < J.rows;
   tr.out = J.out;
   const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
-  const uint4* wb = J.w;
-  const uint32_t* sb = J.sb;
-  if (J.slot >= 0) {
-    const long long e = sel[J.slot];
-    wb += e * J.w_expert_stride;
-    if (kAffine) sb += e * J.sb_expert_stride;
+  tr.w0 = J.w + size_t(r0) * p.chunks;
+  tr.w1 = J.w + size_t(rb) * p.chunks;
+  tr.s0 = kAffine ? J.sb + size_t(r0) * p.groups : nullptr;
+  tr.s1 = kAffine ? J.sb + size_t(rb) * p.groups : nullptr;
+  return tr;
+}
+template <bool kAffine>
+__device__ __forceinline__ void tile_route(const MatvecParams& p, TileRows& tr, const int* sel) {
+  if (tr.slot < 0) return;
+  const long long e = sel[tr.slot];
+  const long long dw = e * p.jobs[tr.job].w_expert_stride;
+  tr.w0 += dw;
+  tr.w1 += dw;
+  if (kAffine) {
+    const long long ds = e * p.jobs[tr.job].sb_expert_stride;
+    tr.s0 += ds;
+    tr.s1 += ds;
   }
-  tr.w0 = wb + size_t(r0) * p.chunks;
-  tr.w1 = wb + size_t(rb) * p.chunks;
-  tr.s0 = kAffine ? sb + size_t(r0) * p.groups : nullptr;
-  tr.s1 = kAffine ? sb + size_t(rb) * p.groups : nullptr;
+  tr.slot = -1;
+}
+template <bool kAffine>
+__device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int warp, const int* sel) {
+  TileRows tr = tile_rows_pre<kAffine>(p, t, warp);
+  tile_route<kAffine>(p, tr, sel);
   return tr;
 }
 
@@ -469,7 +489,7 @@ struct ItemRegs {
 };
 
 template <bool kAffine>
-__device__ __forceinline__ void load_item(const TileRows& tr, int c0, int chunks, int cpg, ItemRegs& it) {
+__device__ __forceinline__ void load_item(const TileRows& tr, int c0, int chunks, int cpg_sh, ItemRegs& it) {
   if (!tr.valid) return;
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -478,8 +498,8 @@ __device__ __forceinline__ void load_item(const TileRows& tr, int c0, int chunks
       it.w[u][0] = ld_stream(tr.w0 + c);
       it.w[u][1] = ld_stream(tr.w1 + c);
       if (kAffine) {
-        it.s[u][0] = ld_stream(tr.s0 + c / cpg);
-        it.s[u][1] = ld_stream(tr.s1 + c / cpg);
+        it.s[u][0] = ld_stream(tr.s0 + (c >> cpg_sh));
+        it.s[u][1] = ld_stream(tr.s1 + (c >> cpg_sh));
       }
     }
   }
@@ -519,6 +539,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   const MatvecSmem L = matvec_smem_layout(p.chunks, CF::FPC, p.cols, nseg);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = p.chunks;
+  const int cpg_sh = __ffs(p.chunks_per_group) - 1;  // a power of two (weights_upload)
   trace_mark(p.trace, 0);
 
   int total = 0;
@@ -547,9 +568,9 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   TileRows tr_cur, tr_nxt;
   int base;
   const bool first_routed = nq > 0 && p.jobs[tile_job(p, t_begin, &base)].slot >= 0;
-  if (nq > 0 && !first_routed) {
-    tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
-    load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+  if (nq > 0) {
+    tr_cur = tile_rows_pre<CF::affine>(p, t_begin, warp);
+    if (!first_routed) load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
   }
   // And the block's second tile into L2 (not a routed one: measured, that
   // costs more than it saves once the expert is known).
@@ -589,8 +610,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     trace_clock(p.trace, 4);
     __syncthreads();
     if (Route && first_routed) {
-      tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
-      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+      tile_route<CF::affine>(p, tr_cur, s_sel_idx);
+      load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
     }
   } else if constexpr (Route) {
     if (warp == 0) {
@@ -603,8 +624,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
     __syncthreads();
     if (first_routed) {
-      tr_cur = tile_rows<CF::affine>(p, t_begin, warp, s_sel_idx);
-      load_item<CF::affine>(tr_cur, lane, chunks, p.chunks_per_group, cur);
+      tile_route<CF::affine>(p, tr_cur, s_sel_idx);
+      load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
     }
   } else {
     ss = stage_load(p, smem + L.raw, tid, blockDim.x);
@@ -623,7 +644,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     if (q + 1 < nq) {
       const int tl1 = (q + 1) / niter, k1 = q + 1 - tl1 * niter;
       tr_nxt = k1 == 0 ? tile_rows<CF::affine>(p, t_begin + tl1, warp, s_sel_idx) : tr_cur;
-      load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, p.chunks_per_group, nxt);
+      load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
     if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
     if (q == 0) trace_clock(p.trace, 7);
@@ -718,6 +739,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   __shared__ float s_coef[kMaxJobs];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = p.chunks, items = p.njobs * chunks;
+  const int cpg_sh = __ffs(p.chunks_per_group) - 1;  // a power of two (weights_upload)
   // p.split warps share a row pair, each over its own range of items (see
   // launch_moe_down_t); a tile is the block's 8 / split row pairs.
   const int W = p.split, TR = 2 * (kMatvecThreads / 32 / W);
@@ -829,8 +851,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         w[u][1] = ld_stream(wj + size_t(rb) * chunks + c);
         if constexpr (CF::affine) {
           const uint32_t* sj = s_sb[jj];
-          sv[u][0] = ld_stream(sj + size_t(r0) * p.groups + c / p.chunks_per_group);
-          sv[u][1] = ld_stream(sj + size_t(rb) * p.groups + c / p.chunks_per_group);
+          sv[u][0] = ld_stream(sj + size_t(r0) * p.groups + (c >> cpg_sh));
+          sv[u][1] = ld_stream(sj + size_t(rb) * p.groups + (c >> cpg_sh));
         }
       }
     }
@@ -1024,6 +1046,9 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
     fail("matvec: norm segment ", p.seg, " does not divide ", p.cols, " inputs");
   if (p.fin != Finish::None && !p.counter) fail("matvec: a finishing launch needs a counter");
+  if ((p.fmt == QFmt::Q4 || p.fmt == QFmt::Q8) &&
+      (p.chunks_per_group <= 0 || (p.chunks_per_group & (p.chunks_per_group - 1)) != 0))
+    fail("matvec: ", p.chunks_per_group, " chunks per group (a power of two)");
   const RouteSpec& r = p.route;
   if (r.logits &&
       (r.k < 1 || r.k > 31 || r.experts < r.k || r.experts > kMaxRouteExperts || !r.sel_idx || !r.sel_w))
@@ -1042,6 +1067,9 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
 
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
+  if ((p.fmt == QFmt::Q4 || p.fmt == QFmt::Q8) &&
+      (p.chunks_per_group <= 0 || (p.chunks_per_group & (p.chunks_per_group - 1)) != 0))
+    fail("moe_down: ", p.chunks_per_group, " chunks per group (a power of two)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_moe_down_t<QFmt::Q8>(p, s, pdl);
