@@ -365,6 +365,37 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   EXPECT_EQ(h.pos, 42);
 }
 
+// Blocks with several tiles each, across a job boundary (the loop steps to
+// the next tile of a job without the job search): 4,500 + 4,501 rows, three
+// formats, the input RMSNorm.
+TEST(CudaMatvec, ManyTilesPerBlockAcrossJobs) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(21);
+  const int R0 = 4500, R1 = 4501, H = 512;
+  for (WeightFormat f : {WeightFormat::Affine4, WeightFormat::Affine8, WeightFormat::BF16}) {
+    SCOPED_TRACE(weight_format_name(f));
+    auto a = random_matrix(f, R0, H, 64, DType::BF16, rng), b = random_matrix(f, R1, H, 64, DType::BF16, rng);
+    auto da = cuda::upload_matrix(a.m, 1), db = cuda::upload_matrix(b.m, 2);
+    const auto x = random_vec(H, rng), nw = random_vec(H, rng, 0.5f, 1.5f);
+    auto dx = to_device(x), dnw = to_device(nw);
+    std::vector<float> xn(H);
+    cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
+    auto oa = poisoned(R0), ob = poisoned(R1);
+    cuda::MatvecParams p;
+    cuda::set_layout(p, da.v);
+    p.njobs = 2;
+    p.jobs[0] = {da.v.w, da.v.sb, R0, -1, 0, 0, oa.as<float>()};
+    p.jobs[1] = {db.v.w, db.v.sb, R1, -1, 0, 0, ob.as<float>()};
+    p.x = dx.as<float>();
+    p.pro = cuda::Prologue::Norm;
+    p.norm_w = dnw.as<float>();
+    p.seg = H;
+    cuda::launch_matvec(p, nullptr, false);
+    EXPECT_LT(rel_err(to_host<float>(oa, R0), cpu_matvec(a.m, xn)), 2e-5);
+    EXPECT_LT(rel_err(to_host<float>(ob, R1), cpu_matvec(b.m, xn)), 2e-5);
+  }
+}
+
 void moe_down_weighted_sum() {
   std::mt19937 rng(3);
   struct Shape {

@@ -429,6 +429,7 @@ struct TileRows {
   float* out;
   int r0, valid, has_b;
   int job, slot;  // slot >= 0: the pointers still lack the routed expert's offset (tile_route)
+  int job_end;    // the first tile past this job
 };
 
 __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base) {
@@ -450,6 +451,7 @@ __device__ __forceinline__ TileRows tile_rows_pre(const MatvecParams& p, int t, 
   TileRows tr;
   tr.job = j;
   tr.slot = J.slot;
+  tr.job_end = base + job_tiles(J.rows);
   tr.r0 = (t - base) * kRowsPerTile + warp * 2;
   tr.valid = tr.r0 < J.rows;
   tr.has_b = tr.r0 + 1 < J.rows;
@@ -480,6 +482,28 @@ __device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int 
   TileRows tr = tile_rows_pre<kAffine>(p, t, warp);
   tile_route<kAffine>(p, tr, sel);
   return tr;
+}
+// The warp's rows of tile t = the tile after tr's: within the same job, the
+// same rows 16 further on (no parameter reads on the loop's path).
+template <bool kAffine>
+__device__ __forceinline__ TileRows tile_rows_next(const MatvecParams& p, const TileRows& tr, int t, int warp,
+                                                   const int* sel) {
+  if (t >= tr.job_end || !tr.has_b) return tile_rows<kAffine>(p, t, warp, sel);
+  TileRows n = tr;
+  const int rows = p.jobs[tr.job].rows;
+  n.r0 = tr.r0 + kRowsPerTile;
+  n.valid = n.r0 < rows;
+  n.has_b = n.r0 + 1 < rows;
+  if (!n.has_b) return tile_rows<kAffine>(p, t, warp, sel);
+  const size_t dw = size_t(kRowsPerTile) * p.chunks;
+  n.w0 += dw;
+  n.w1 += dw;
+  if (kAffine) {
+    const size_t ds = size_t(kRowsPerTile) * p.groups;
+    n.s0 += ds;
+    n.s1 += ds;
+  }
+  return n;
 }
 
 // One step of a warp: two rows x two chunks (c0 and c0 + 32) per lane.
@@ -639,11 +663,11 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
   float acc[2] = {0.f, 0.f};
-  for (int q = 0; q < nq; ++q) {
-    const int tl = q / niter, k = q - tl * niter;
+  for (int q = 0, tl = 0, k = 0; q < nq; ++q) {
+    // Item q is (tile tl, step k); q + 1 is (tl1, k1), without a division.
+    const int tl1 = k + 1 == niter ? tl + 1 : tl, k1 = k + 1 == niter ? 0 : k + 1;
     if (q + 1 < nq) {
-      const int tl1 = (q + 1) / niter, k1 = q + 1 - tl1 * niter;
-      tr_nxt = k1 == 0 ? tile_rows<CF::affine>(p, t_begin + tl1, warp, s_sel_idx) : tr_cur;
+      tr_nxt = k1 == 0 ? tile_rows_next<CF::affine>(p, tr_cur, t_begin + tl1, warp, s_sel_idx) : tr_cur;
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
     if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
@@ -686,6 +710,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
     cur = nxt;
     tr_cur = tr_nxt;
+    tl = tl1;
+    k = k1;
   }
 
   if (p.argmax) {
@@ -836,8 +862,10 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   trace_mark(p.trace, 2);
 
-  auto load = [&](int q, uint4 (&w)[U][2], uint32_t (&sv)[U][2]) {
-    const int tl = q / niter, k = q - tl * niter;
+  // it / chunks as a multiply-high (exact: it and chunks below 2^16).
+  const uint32_t cmag = static_cast<uint32_t>((0x100000000ull + chunks - 1) / chunks);
+  auto job_of = [&](int it) { return static_cast<int>(__umulhi(static_cast<uint32_t>(it), cmag)); };
+  auto load = [&](int tl, int k, uint4 (&w)[U][2], uint32_t (&sv)[U][2]) {
     const int r0 = (t_begin + tl) * TR + pair * 2;
     if (r0 >= p.rows) return;
     const int rb = r0 + 1 < p.rows ? r0 + 1 : r0;
@@ -845,7 +873,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
     for (int u = 0; u < U; ++u) {
       const int it = ibeg + 32 * U * k + lane + 32 * u;
       if (it < iend) {
-        const int jj = it / chunks, c = it - jj * chunks;
+        const int jj = job_of(it), c = it - jj * chunks;
         const uint4* wj = s_w[jj];
         w[u][0] = ld_stream(wj + size_t(r0) * chunks + c);
         w[u][1] = ld_stream(wj + size_t(rb) * chunks + c);
@@ -862,12 +890,12 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   uint32_t sc[U][2], sn[U][2];
 #pragma unroll
   for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
-  if (nq > 0) load(0, wc, sc);
+  if (nq > 0) load(0, 0, wc, sc);
   float acc[2] = {0.f, 0.f};
-  for (int q = 0; q < nq; ++q) {
-    const int tl = q / niter, k = q - tl * niter;
+  for (int q = 0, tl = 0, k = 0; q < nq; ++q) {
+    const int tl1 = k + 1 == niter ? tl + 1 : tl, k1 = k + 1 == niter ? 0 : k + 1;
     const int r0 = (t_begin + tl) * TR + pair * 2;
-    if (q + 1 < nq) load(q + 1, wn, sn);
+    if (q + 1 < nq) load(tl1, k1, wn, sn);
     if (r0 < p.rows) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -875,7 +903,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         if (it < iend) {
           float d[2];
           chunk_dot<F, 2>(wc[u], xs, it, d);
-          const float coef = s_coef[it / chunks];
+          const float coef = s_coef[job_of(it)];
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             float v = d[r];
@@ -922,6 +950,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         wc[u][r] = wn[u][r];
         sc[u][r] = sn[u][r];
       }
+    tl = tl1;
+    k = k1;
   }
   trace_end(p.trace);
 }
@@ -1012,6 +1042,7 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   }();
   (void)init;
   const int items = p.njobs * p.chunks;
+  if (items >= 65536) fail("moe_down: ", items, " (expert, chunk) items (below 65536)");  // job_of's range
   MoeDownParams q = p;
   // Warps per row pair and items per lane per step: one step per warp where
   // it fits (up to 96 items per warp), so a warp's loads all go out at once;
