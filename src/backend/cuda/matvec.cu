@@ -430,7 +430,6 @@ struct TileRows {
   int r0, valid, has_b;
   int job, slot;  // slot >= 0: the pointers still lack the routed expert's offset (tile_route)
   int job_end;    // the first tile past this job
-  int rows;       // the job's rows
 };
 
 __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base) {
@@ -453,7 +452,6 @@ __device__ __forceinline__ TileRows tile_rows_pre(const MatvecParams& p, int t, 
   tr.job = j;
   tr.slot = J.slot;
   tr.job_end = base + job_tiles(J.rows);
-  tr.rows = J.rows;
   tr.r0 = (t - base) * kRowsPerTile + warp * 2;
   tr.valid = tr.r0 < J.rows;
   tr.has_b = tr.r0 + 1 < J.rows;
@@ -492,9 +490,10 @@ __device__ __forceinline__ TileRows tile_rows_next(const MatvecParams& p, const 
                                                    const int* sel) {
   if (t >= tr.job_end || !tr.has_b) return tile_rows<kAffine>(p, t, warp, sel);
   TileRows n = tr;
+  const int rows = p.jobs[tr.job].rows;
   n.r0 = tr.r0 + kRowsPerTile;
-  n.valid = n.r0 < tr.rows;
-  n.has_b = n.r0 + 1 < tr.rows;
+  n.valid = n.r0 < rows;
+  n.has_b = n.r0 + 1 < rows;
   if (!n.has_b) return tile_rows<kAffine>(p, t, warp, sel);
   const size_t dw = size_t(kRowsPerTile) * p.chunks;
   n.w0 += dw;
