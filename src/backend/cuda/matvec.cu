@@ -484,7 +484,8 @@ __device__ __forceinline__ TileRows tile_rows(const MatvecParams& p, int t, int 
   return tr;
 }
 // The warp's rows of tile t = the tile after tr's: within the same job, the
-// same rows 16 further on (no parameter reads on the loop's path).
+// same rows 16 further on (no job search and no expert offset on the loop's
+// path; one read of the job's row count, which the v12 A/B found free).
 template <bool kAffine>
 __device__ __forceinline__ TileRows tile_rows_next(const MatvecParams& p, const TileRows& tr, int t, int warp,
                                                    const int* sel) {
