@@ -684,6 +684,28 @@ TEST(CudaEmbed, LookupMatchesCpuDequantization) {
   }
 }
 
+// A group size the kernels cannot index with a shift (a power of two times
+// the chunk's 32 q4 inputs) is refused at upload, naming the tensor; this
+// needs no GPU (the check comes before any device memory).
+TEST(CudaUpload, RefusesGroupSizesTheKernelsCannotIndex) {
+  Matrix m;
+  m.name = "layers.0.mlp.down_proj";
+  m.format = WeightFormat::Affine4;
+  m.rows = 4;
+  m.cols = 192;
+  m.group_size = 96;  // 3 chunks per group
+  try {
+    cuda::MatPacker pk(m, 4);
+    ADD_FAILURE() << "group size 96 was accepted";
+  } catch (const lily::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("layers.0.mlp.down_proj"), std::string::npos) << what;
+    EXPECT_NE(what.find("power of two"), std::string::npos) << what;
+  }
+  m.group_size = 64;  // 2 chunks per group: accepted
+  EXPECT_NO_THROW(cuda::MatPacker(m, 4));
+}
+
 }  // namespace
 }  // namespace lily
 
