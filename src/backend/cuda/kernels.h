@@ -24,6 +24,11 @@ constexpr int floats_per_chunk(QFmt f) {
   return f == QFmt::Q4 ? 32 : f == QFmt::Q8 ? 16 : f == QFmt::BF16 ? 8 : 4;
 }
 const char* qfmt_name(QFmt f);
+// The kernels find a chunk's scale group with a shift: an affine format's
+// chunks per group must be a power of two (float formats have none).
+constexpr bool chunks_per_group_ok(QFmt f, int cpg) {
+  return (f != QFmt::Q4 && f != QFmt::Q8) || (cpg > 0 && (cpg & (cpg - 1)) == 0);
+}
 
 // A matrix as the kernels read it (non-owning).
 struct DevMatView {

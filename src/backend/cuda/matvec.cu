@@ -1078,8 +1078,7 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
     fail("matvec: norm segment ", p.seg, " does not divide ", p.cols, " inputs");
   if (p.fin != Finish::None && !p.counter) fail("matvec: a finishing launch needs a counter");
-  if ((p.fmt == QFmt::Q4 || p.fmt == QFmt::Q8) &&
-      (p.chunks_per_group <= 0 || (p.chunks_per_group & (p.chunks_per_group - 1)) != 0))
+  if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("matvec: ", p.chunks_per_group, " chunks per group (a power of two)");
   const RouteSpec& r = p.route;
   if (r.logits &&
@@ -1099,8 +1098,7 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
 
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
-  if ((p.fmt == QFmt::Q4 || p.fmt == QFmt::Q8) &&
-      (p.chunks_per_group <= 0 || (p.chunks_per_group & (p.chunks_per_group - 1)) != 0))
+  if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("moe_down: ", p.chunks_per_group, " chunks per group (a power of two)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);

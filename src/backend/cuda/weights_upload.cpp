@@ -41,8 +41,7 @@ MatPacker::MatPacker(const Matrix& proto, int rows) : proto_(proto) {
            " scales are not supported by the cuda backend (bf16 or f16)");
     v_.groups = proto.cols / proto.group_size;
     v_.chunks_per_group = proto.group_size / fpc;
-    // The kernels find a chunk's group with a shift.
-    if ((v_.chunks_per_group & (v_.chunks_per_group - 1)) != 0)
+    if (!chunks_per_group_ok(v_.fmt, v_.chunks_per_group))
       fail(proto.name, ": affine group size ", proto.group_size,
            " is not supported by the cuda backend (needs a power of two times ", fpc, ")");
     v_.sb_f16 = proto.scale_dtype == DType::F16 ? 1 : 0;
