@@ -537,17 +537,24 @@ TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
 }
 
 // Attention over a random cache: GQA groups of 4, 8 and 12 heads, f32 and
-// bf16 caches, short and split contexts; checks the written K/V row too.
+// bf16 caches (bf16 with head_dim 64 / 128 / 256 on tensor cores, and on the
+// CUDA-core loop with LILY_CUDA_ATTN_TC=0), short, split and long contexts
+// (n = 37 and 5000 leave partial 8-position steps); checks the written K/V
+// row too.
 TEST(CudaAttention, SplitDecodeMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
   struct Case { int hd, nh, nkv, rot; bool gated; };
   for (Case cs : {Case{32, 4, 2, 8, true}, Case{128, 32, 4, 128, false}, Case{256, 16, 2, 64, true},
-                  Case{64, 24, 2, 32, true}}) {
-    for (bool bf : {false, true}) {
-      for (int n : {1, 37, 700, 5000}) {
+                  Case{64, 24, 2, 32, true}, Case{256, 6, 2, 64, false}}) {
+    for (int mode : {0, 1, 2}) {  // f32 cache, bf16 cache, bf16 on the CUDA-core loop
+      const bool bf = mode != 0;
+      ScopedEnv env("LILY_CUDA_ATTN_TC", mode == 2 ? "0" : "1");
+      // 140,000: RoPE angles past cosf / sinf's fast argument reduction.
+      for (int n : {1, 37, 700, 5000, 140000}) {
+        if (n > 5000 && (cs.hd != 64 || mode != 1)) continue;
         SCOPED_TRACE("hd " + std::to_string(cs.hd) + " nh " + std::to_string(cs.nh) + " n " +
-                     std::to_string(n) + (bf ? " bf16" : " f32"));
+                     std::to_string(n) + (bf ? " bf16" : " f32") + (mode == 2 ? " cuda cores" : ""));
         const int hd = cs.hd, nh = cs.nh, nkv = cs.nkv, cap = n + 3, pos = n - 1;
         const int qhs = hd * (cs.gated ? 2 : 1);
         const auto qkv = random_vec(size_t(nh) * qhs + 2 * nkv * hd, rng, -2, 2);

@@ -2,7 +2,10 @@
 //
 // Block (context split, KV head, group of <= 8 query heads): all query heads
 // that share the KV head are handled together, so each cached K/V row is read
-// once per step. Lanes split head_dim; a warp takes 4 positions at a time,
+// once per step. A bf16 cache with head_dim 64 / 128 / 256 runs on tensor
+// cores (attention_tc_loop below; at 128K 1.07x the step of the CUDA-core
+// loop, which stays for f32 caches, head_dim 32 and LILY_CUDA_ATTN_TC=0).
+// The CUDA-core loop: lanes split head_dim; a warp takes 4 positions at a time,
 // reduces the 4 x 8 partial dot products with a reduce-scatter across the
 // lanes (31 shuffles for 32 sums), keeps an online softmax per head and
 // accumulates P V in registers. The 4 warps merge in shared memory and the
@@ -10,6 +13,7 @@
 // and applies the output gate. The split length is derived from the position
 // in device memory, so one captured launch serves every context length.
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill_common.cuh"
 
 namespace lily::cuda {
 
@@ -95,7 +99,186 @@ __device__ __forceinline__ uint16_t to_bf16_bits(float f) {
   return u;
 }
 
-template <int HD, bool BF>
+// ---- Tensor-core main loop (bf16 cache, head_dim a multiple of 64) ----------
+//
+// A warp takes 8 positions per step. K and V rows reach shared memory through
+// a per-warp ring of kTcStages steps (cp.async, 16-byte pieces XOR-swizzled
+// by row so ldmatrix reads are conflict-free) and come out as mma operands
+// through ldmatrix. Scores: one m16n8k16 mma per 16 dims, S = A K^T with A's
+// rows 0-7 the 8 query heads rounded to bf16 and rows 8-15 their remainders
+// (q - bf16(q), also bf16), so c0 + c2 is the score with ~16 bits of q and K
+// exact. Then O^T = V^T P^T, one m16n8k16 per 16 dims whose k = 16 is the
+// step's 8 positions twice, against bf16(p) and against p - bf16(p) (the same
+// V operands), so P keeps ~16 bits too: f32-level agreement with the CPU. The
+// score fragment (head g = lane / 4, positions 2t, 2t + 1 with t = lane % 4)
+// is exactly P^T's operand; V^T's come from ldmatrix.trans.
+constexpr int kTcStages = 3;
+using prefill_detail::cp_async16;
+using prefill_detail::cp_async_commit;
+using prefill_detail::cp_async_wait;
+using prefill_detail::ldmatrix_x4;
+using prefill_detail::ldmatrix_x4_trans;
+using prefill_detail::mma_bf16;
+using prefill_detail::pack_bf16x2;
+
+// Floats of shared memory per block: the queries' fragments, then one region
+// that holds the staged queries and the merge (as the CUDA-core loop lays them
+// out) before and after the loop and the K / V ring during it, then the
+// (max, sum) pairs.
+template <int HD>
+struct TcSmem {
+  static constexpr int qf = 0;                                     // [HD / 16][32] uint4
+  static constexpr int region = qf + 8 * HD;                       // qs [8][HD], macc [warps][8][HD]
+  static constexpr int ring_floats = kAttnWarps * kTcStages * 8 * HD;  // [warp][stage][K, V][8][HD] bf16
+  static constexpr int region_floats = ring_floats > 40 * HD ? ring_floats : 40 * HD;
+  static constexpr int mml = region + region_floats;              // [warps][8][2]
+  static constexpr int total = mml + kAttnWarps * kAttnHeads * 2;
+};
+
+// (hi, lo) of two floats: hi = bf16(x), lo = bf16(x - hi).
+__device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16x2(x0, x1);
+  lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
+}
+
+// The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
+// {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
+// head g.
+template <int HD>
+__device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
+  for (int idx = tid; idx < (HD / 16) * 32; idx += kAttnThreads) {
+    const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
+    const float* q = qs + g * HD + 16 * j + 2 * t;
+    uint4 f;
+    split_bf16(q[0], q[1], f.x, f.y);
+    split_bf16(q[8], q[9], f.z, f.w);
+    qf[idx] = f;
+  }
+}
+
+// Rows b .. b + 7 of K and V into ring slot `dst` ([K, V][8][HD] bf16); rows
+// at or past p1 are zero-filled. Piece c (16 bytes) of row r sits at c ^ r.
+template <int HD>
+__device__ __forceinline__ void tc_issue(uint16_t* dst, const uint16_t* kc, const uint16_t* vc, int b, int p1,
+                                         int lane) {
+  constexpr int PR = HD / 8;  // pieces per row
+#pragma unroll
+  for (int k = 0; k < HD / 32; ++k) {
+    const int c = lane + 32 * k, r = c / PR, col = c % PR;
+    const int row = b + r;
+    const int ok = row < p1 ? 16 : 0;
+    const size_t src = size_t(ok ? row : b) * HD + col * 8;
+    const int off = r * HD + ((col ^ r) * 8);
+    cp_async16(dst + off, kc + src, ok);
+    cp_async16(dst + 8 * HD + off, vc + src, ok);
+  }
+}
+
+template <int HD>
+struct TcState {
+  float acc[HD / 16][4];  // O^T tiles m: [dim 16m + g][head 2t, 2t + 1], [dim 16m + 8 + g][...]
+  float m, l;             // head g: running max, this lane's share of the sum
+};
+template <int HD>
+__device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, const uint4* qf, int b, int p1,
+                                        float scale, int lane) {
+  const int t = lane & 3, q = lane >> 3, r = lane & 7;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < HD / 16; j += 2) {
+    uint32_t kb[4];  // B operands of k-steps j and j + 1
+    ldmatrix_x4(kb, kt + r * HD + (((2 * j + q) ^ r) * 8));
+    const uint4 a0 = qf[j * 32 + lane], a1 = qf[(j + 1) * 32 + lane];
+    const uint32_t fa0[4] = {a0.x, a0.y, a0.z, a0.w}, fa1[4] = {a1.x, a1.y, a1.z, a1.w};
+    mma_bf16(c, fa0, kb[0], kb[1]);
+    mma_bf16(c, fa1, kb[2], kb[3]);
+  }
+  const int pa = b + 2 * t;
+  const float s0 = pa < p1 ? (c[0] + c[2]) * scale : -INFINITY;
+  const float s1 = pa + 1 < p1 ? (c[1] + c[3]) * scale : -INFINITY;
+  float mx = fmaxf(s0, s1);
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // Every head has position b (t = 0), so mx and m_new are finite.
+  const float m_new = fmaxf(st.m, mx);
+  const float alpha = expf(st.m - m_new);  // 0 on the first step (m = -inf)
+  const float e0 = expf(s0 - m_new), e1 = expf(s1 - m_new);
+  st.l = fmaf(st.l, alpha, e0 + e1);
+  st.m = m_new;
+  if (__any_sync(0xffffffffu, alpha != 1.f)) {
+    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+    for (int m = 0; m < HD / 16; ++m) {
+      st.acc[m][0] *= a_lo;
+      st.acc[m][1] *= a_hi;
+      st.acc[m][2] *= a_lo;
+      st.acc[m][3] *= a_hi;
+    }
+  }
+  uint32_t phi, plo;
+  split_bf16(e0, e1, phi, plo);
+  const uint16_t* vt = kt + 8 * HD;
+#pragma unroll
+  for (int m = 0; m < HD / 16; m += 2) {
+    uint32_t va[4];  // A operands (rows: dims) of m-tiles m and m + 1
+    ldmatrix_x4_trans(va, vt + r * HD + (((2 * m + q) ^ r) * 8));
+    const uint32_t f0[4] = {va[0], va[1], va[0], va[1]}, f1[4] = {va[2], va[3], va[2], va[3]};
+    mma_bf16(st.acc[m], f0, phi, plo);
+    mma_bf16(st.acc[m + 1], f1, phi, plo);
+  }
+}
+
+// The warp's positions [p0 + 8 warp, p1) in steps of 8, 32 apart; leaves
+// (max, sum) per head and the unnormalised output in mml / macc as the
+// CUDA-core loop does (after a block barrier: the ring overlaps macc).
+template <int HD>
+__device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const uint4* qf, uint16_t* ring,
+                                  float* macc, float* mml, int p0, int p1, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const float scale = 1.f / sqrtf(static_cast<float>(HD));
+  TcState<HD> st;
+#pragma unroll
+  for (int m = 0; m < HD / 16; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
+  st.m = -INFINITY;
+  st.l = 0.f;
+  constexpr int kStride = kAttnWarps * 8, kSlot = 16 * HD;  // bf16 elements per slot (K and V)
+  uint16_t* my = ring + size_t(warp) * kTcStages * kSlot;
+  const int b0 = p0 + warp * 8;
+  const int nt = b0 < p1 ? (p1 - b0 + kStride - 1) / kStride : 0;
+#pragma unroll
+  for (int k = 0; k < kTcStages - 1; ++k) {
+    if (k < nt) tc_issue<HD>(my + k * kSlot, kc, vc, b0 + k * kStride, p1, lane);
+    cp_async_commit();
+  }
+  for (int k = 0; k < nt; ++k) {
+    const int kn = k + kTcStages - 1;
+    if (kn < nt) tc_issue<HD>(my + (kn % kTcStages) * kSlot, kc, vc, b0 + kn * kStride, p1, lane);
+    cp_async_commit();
+    cp_async_wait<kTcStages - 1>();
+    __syncwarp();
+    tc_step<HD>(st, my + (k % kTcStages) * kSlot, qf, b0 + k * kStride, p1, scale, lane);
+    __syncwarp();  // the slot is refilled next step
+  }
+  cp_async_wait<0>();
+  float l = st.l + __shfl_xor_sync(0xffffffffu, st.l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // every warp is done with its ring
+  if (t == 0) {
+    mml[(warp * kAttnHeads + g) * 2] = st.m;
+    mml[(warp * kAttnHeads + g) * 2 + 1] = l;
+  }
+#pragma unroll
+  for (int m = 0; m < HD / 16; ++m) {
+    float* o0 = macc + (warp * kAttnHeads + 2 * t) * HD + 16 * m + g;
+    float* o1 = o0 + HD;
+    o0[0] = st.acc[m][0];
+    o1[0] = st.acc[m][1];
+    o0[8] = st.acc[m][2];
+    o1[8] = st.acc[m][3];
+  }
+}
+
+template <int HD, bool BF, bool TC>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int DPL = HD / 32;
   trace_mark(p.trace, 0);
@@ -112,9 +295,11 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   const int p1 = min(n, p0 + len);
 
   extern __shared__ __align__(16) float sm[];
-  float* qs = sm;                                  // [8][HD]
-  float* macc = qs + kAttnHeads * HD;              // [warps][8][HD]
+  float* qs = sm;  // [8][HD]
+  if constexpr (TC) qs = sm + TcSmem<HD>::region;
+  float* macc = qs + kAttnHeads * HD;                // [warps][8][HD]
   float* mml = macc + kAttnWarps * kAttnHeads * HD;  // [warps][8][2]
+  if constexpr (TC) mml = sm + TcSmem<HD>::mml;
   float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
   float* aw = pw + kAttnWarps * 32;                // [warps][8]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -177,13 +362,20 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     float* x = hl < kAttnHeads ? qs + hl * HD : knorm;
     if (hl == kAttnHeads && !writer) continue;
     if (hl < kAttnHeads && hl >= gcount) continue;
+    // The angle in f32 as the CPU forms it, its cosine and sine in f64:
+    // cosf / sinf take a slow argument reduction (local memory) past |x| ~
+    // 1e5, i.e. for the low frequencies at long contexts (2.4 us per launch
+    // at 128K); the f64 path stays fast there and rounds to the same floats.
     const float angle = fpos * p.inv_freq[i];
-    const float c = cosf(angle), s = sinf(angle);
+    double sd, cd;
+    sincos(static_cast<double>(angle), &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
   }
   __syncthreads();
+  if constexpr (TC) build_q_frags<HD>(qs, reinterpret_cast<uint4*>(sm + TcSmem<HD>::qf), tid);
   if (writer) {
     for (int e = tid; e < HD; e += kAttnThreads) {
       if constexpr (BF) reinterpret_cast<uint16_t*>(kc)[size_t(pos) * HD + e] = to_bf16_bits(knorm[e]);
@@ -193,99 +385,105 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   __syncthreads();
   trace_mark(p.trace, 2);
 
-  const float scale = 1.f / sqrtf(static_cast<float>(HD));
-  float acc[kAttnHeads][DPL];
+  if constexpr (TC) {
+    attention_tc_loop<HD>(reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
+                          reinterpret_cast<const uint4*>(sm + TcSmem<HD>::qf),
+                          reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::region), macc, mml, p0, p1, warp, lane);
+  } else {
+    const float scale = 1.f / sqrtf(static_cast<float>(HD));
+    float acc[kAttnHeads][DPL];
 #pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h)
+    for (int h = 0; h < kAttnHeads; ++h)
 #pragma unroll
-    for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
-  float m_run = -INFINITY, l_run = 0.f;  // for head (lane & 7)
-  const int my_j = lane >> 3, my_h = lane & 7;
-  // K/V rows of the next step are loaded while this step computes.
-  KvRow<DPL, BF> kr[kAttnPos], vr[kAttnPos], kn[kAttnPos], vn[kAttnPos];
-  auto load_rows = [&](int b, KvRow<DPL, BF>(&k)[kAttnPos], KvRow<DPL, BF>(&v)[kAttnPos]) {
-#pragma unroll
-    for (int jp = 0; jp < kAttnPos; ++jp) {
-      if (b + jp < p1) {
-        k[jp].load(kc, size_t(b + jp) * HD + lane * DPL);
-        v[jp].load(vc, size_t(b + jp) * HD + lane * DPL);
-      } else {
-        k[jp].zero();
-        v[jp].zero();
-      }
-    }
-  };
-  constexpr int kStride = kAttnWarps * kAttnPos;
-  load_rows(p0 + warp * kAttnPos, kr, vr);
-  for (int base = p0 + warp * kAttnPos; base < p1; base += kStride) {
-    if (base + kStride < p1) load_rows(base + kStride, kn, vn);
-    float part[kAttnPos * kAttnHeads];
-#pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) {
-      float qv[DPL];
-#pragma unroll
-      for (int d = 0; d < DPL; ++d) qv[d] = qs[h * HD + lane * DPL + d];
+      for (int d = 0; d < DPL; ++d) acc[h][d] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;  // for head (lane & 7)
+    const int my_j = lane >> 3, my_h = lane & 7;
+    // K/V rows of the next step are loaded while this step computes.
+    KvRow<DPL, BF> kr[kAttnPos], vr[kAttnPos], kn[kAttnPos], vn[kAttnPos];
+    auto load_rows = [&](int b, KvRow<DPL, BF>(&k)[kAttnPos], KvRow<DPL, BF>(&v)[kAttnPos]) {
 #pragma unroll
       for (int jp = 0; jp < kAttnPos; ++jp) {
-        float s = 0.f;
+        if (b + jp < p1) {
+          k[jp].load(kc, size_t(b + jp) * HD + lane * DPL);
+          v[jp].load(vc, size_t(b + jp) * HD + lane * DPL);
+        } else {
+          k[jp].zero();
+          v[jp].zero();
+        }
+      }
+    };
+    constexpr int kStride = kAttnWarps * kAttnPos;
+    load_rows(p0 + warp * kAttnPos, kr, vr);
+    for (int base = p0 + warp * kAttnPos; base < p1; base += kStride) {
+      if (base + kStride < p1) load_rows(base + kStride, kn, vn);
+      float part[kAttnPos * kAttnHeads];
 #pragma unroll
-        for (int d = 0; d < DPL; ++d) s = fmaf(qv[d], kr[jp].get(d), s);
-        part[jp * kAttnHeads + h] = s;
+      for (int h = 0; h < kAttnHeads; ++h) {
+        float qv[DPL];
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) qv[d] = qs[h * HD + lane * DPL + d];
+#pragma unroll
+        for (int jp = 0; jp < kAttnPos; ++jp) {
+          float s = 0.f;
+#pragma unroll
+          for (int d = 0; d < DPL; ++d) s = fmaf(qv[d], kr[jp].get(d), s);
+          part[jp * kAttnHeads + h] = s;
+        }
+      }
+      // Reduce-scatter: lane l ends with the full sum of part[l].
+      reduce_scatter_step<16>(part, lane);
+      reduce_scatter_step<8>(part, lane);
+      reduce_scatter_step<4>(part, lane);
+      reduce_scatter_step<2>(part, lane);
+      reduce_scatter_step<1>(part, lane);
+      float s = part[0] * scale;
+      if (base + my_j >= p1 || my_h >= gcount) s = -INFINITY;
+      float tmax = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, 8));
+      tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
+      const float m_new = fmaxf(m_run, tmax);
+      float pe = 0.f, alpha = 1.f;
+      if (m_new != -INFINITY) {
+        pe = expf(s - m_new);
+        alpha = expf(m_run - m_new);
+      }
+      float ls = pe + __shfl_xor_sync(0xffffffffu, pe, 8);
+      ls += __shfl_xor_sync(0xffffffffu, ls, 16);
+      l_run = l_run * alpha + ls;
+      m_run = m_new;
+      pw[warp * 32 + lane] = pe;
+      if (lane < kAttnHeads) aw[warp * kAttnHeads + lane] = alpha;
+      __syncwarp();
+#pragma unroll
+      for (int h = 0; h < kAttnHeads; ++h) {
+        const float a = aw[warp * kAttnHeads + h];
+        float pj[kAttnPos];
+#pragma unroll
+        for (int jp = 0; jp < kAttnPos; ++jp) pj[jp] = pw[warp * 32 + jp * kAttnHeads + h];
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) {
+          float v = acc[h][d] * a;
+#pragma unroll
+          for (int jp = 0; jp < kAttnPos; ++jp) v = fmaf(pj[jp], vr[jp].get(d), v);
+          acc[h][d] = v;
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int jp = 0; jp < kAttnPos; ++jp) {
+        kr[jp] = kn[jp];
+        vr[jp] = vn[jp];
       }
     }
-    // Reduce-scatter: lane l ends with the full sum of part[l].
-    reduce_scatter_step<16>(part, lane);
-    reduce_scatter_step<8>(part, lane);
-    reduce_scatter_step<4>(part, lane);
-    reduce_scatter_step<2>(part, lane);
-    reduce_scatter_step<1>(part, lane);
-    float s = part[0] * scale;
-    if (base + my_j >= p1 || my_h >= gcount) s = -INFINITY;
-    float tmax = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, 8));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-    const float m_new = fmaxf(m_run, tmax);
-    float pe = 0.f, alpha = 1.f;
-    if (m_new != -INFINITY) {
-      pe = expf(s - m_new);
-      alpha = expf(m_run - m_new);
+    __syncthreads();  // knorm (in macc) is no longer needed
+    if (lane < kAttnHeads) {
+      mml[(warp * kAttnHeads + lane) * 2] = m_run;
+      mml[(warp * kAttnHeads + lane) * 2 + 1] = l_run;
     }
-    float ls = pe + __shfl_xor_sync(0xffffffffu, pe, 8);
-    ls += __shfl_xor_sync(0xffffffffu, ls, 16);
-    l_run = l_run * alpha + ls;
-    m_run = m_new;
-    pw[warp * 32 + lane] = pe;
-    if (lane < kAttnHeads) aw[warp * kAttnHeads + lane] = alpha;
-    __syncwarp();
 #pragma unroll
-    for (int h = 0; h < kAttnHeads; ++h) {
-      const float a = aw[warp * kAttnHeads + h];
-      float pj[kAttnPos];
+    for (int h = 0; h < kAttnHeads; ++h)
 #pragma unroll
-      for (int jp = 0; jp < kAttnPos; ++jp) pj[jp] = pw[warp * 32 + jp * kAttnHeads + h];
-#pragma unroll
-      for (int d = 0; d < DPL; ++d) {
-        float v = acc[h][d] * a;
-#pragma unroll
-        for (int jp = 0; jp < kAttnPos; ++jp) v = fmaf(pj[jp], vr[jp].get(d), v);
-        acc[h][d] = v;
-      }
-    }
-    __syncwarp();
-#pragma unroll
-    for (int jp = 0; jp < kAttnPos; ++jp) {
-      kr[jp] = kn[jp];
-      vr[jp] = vn[jp];
-    }
+      for (int d = 0; d < DPL; ++d) macc[(warp * kAttnHeads + h) * HD + lane * DPL + d] = acc[h][d];
   }
-  __syncthreads();  // knorm (in macc) is no longer needed
-  if (lane < kAttnHeads) {
-    mml[(warp * kAttnHeads + lane) * 2] = m_run;
-    mml[(warp * kAttnHeads + lane) * 2 + 1] = l_run;
-  }
-#pragma unroll
-  for (int h = 0; h < kAttnHeads; ++h)
-#pragma unroll
-    for (int d = 0; d < DPL; ++d) macc[(warp * kAttnHeads + h) * HD + lane * DPL + d] = acc[h][d];
   __syncthreads();
   for (int idx = tid; idx < gcount * HD; idx += kAttnThreads) {
     const int h = idx / HD, e = idx - h * HD;
@@ -372,8 +570,11 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
                        kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads) *
                       4;
   static bool init = [] {
-    LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF>,
+    LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF, false>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    if constexpr (BF && HD % 64 == 0)
+      LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF, true>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     return true;
   }();
   (void)init;
@@ -381,7 +582,15 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const dim3 grid(p.max_splits, p.nkv, (G + kAttnHeads - 1) / kAttnHeads);
   AttentionParams q = p;
   q.trace = next_trace();
-  launch_kernel("attention", attention_kernel<HD, BF>, grid, dim3(kAttnThreads), smem, s, pdl, q);
+  // Tensor cores for a bf16 cache (LILY_CUDA_ATTN_TC=0: the CUDA-core loop).
+  if constexpr (BF && HD % 64 == 0) {
+    if (env_switch("LILY_CUDA_ATTN_TC", 1)) {
+      launch_kernel("attention", attention_kernel<HD, BF, true>, grid, dim3(kAttnThreads),
+                    size_t(TcSmem<HD>::total) * 4, s, pdl, q);
+      return;
+    }
+  }
+  launch_kernel("attention", attention_kernel<HD, BF, false>, grid, dim3(kAttnThreads), smem, s, pdl, q);
 }
 
 }  // namespace
