@@ -74,11 +74,13 @@ struct ScopedEnv {
   ~ScopedEnv() { unsetenv(name); }
 };
 // Runs a test body with the one-pass input staging (the default where it
-// applies) and with the general one.
+// applies; with the scale type as a template parameter, the default, and as
+// the run-time flag, LILY_CUDA_SB_T=0) and with the general one.
 void with_both_stagings(void (*body)()) {
-  for (const char* fast : {"1", "0"}) {
-    ScopedEnv env("LILY_CUDA_FAST_STAGE", fast);
-    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
+  for (const char* mode : {"11", "10", "01"}) {
+    const char fast[2] = {mode[0], 0}, sb_t[2] = {mode[1], 0};
+    ScopedEnv env("LILY_CUDA_FAST_STAGE", fast), env2("LILY_CUDA_SB_T", sb_t);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast + " LILY_CUDA_SB_T=" + sb_t);
     body();
   }
 }
@@ -407,17 +409,18 @@ void moe_down_weighted_sum() {
   const Shape shapes[] = {{6, 77, 192, 4}, {12, 77, 512, 9}};
   for (const Shape& sh_ : shapes)
   for (const char* split : {"1", "0"})
-  for (WeightFormat f : {WeightFormat::Affine4, WeightFormat::BF16}) {
+  for (auto [f, sdt] : {std::pair{WeightFormat::Affine4, DType::BF16}, std::pair{WeightFormat::Affine4, DType::F16},
+                        std::pair{WeightFormat::BF16, DType::BF16}}) {
     setenv("LILY_CUDA_DOWN_SPLIT", split, 1);
     SCOPED_TRACE(std::string("I ") + std::to_string(sh_.I) + " J " + std::to_string(sh_.J) +
-                 " LILY_CUDA_DOWN_SPLIT=" + split);
+                 " LILY_CUDA_DOWN_SPLIT=" + split + (sdt == DType::F16 ? " f16 scales" : ""));
     const int E = sh_.E, H = sh_.H, I = sh_.I, J = sh_.J;
     std::vector<test::HostMatrix> downs;
-    for (int e = 0; e < E; ++e) downs.push_back(random_matrix(f, H, I, 64, DType::BF16, rng));
+    for (int e = 0; e < E; ++e) downs.push_back(random_matrix(f, H, I, 64, sdt, rng));
     cuda::MatPacker pk(downs[0].m, H * E);
     for (auto& d : downs) pk.add_all(d.m);
     auto stack = pk.finish(1);
-    auto shared = random_matrix(f, H, I, 64, DType::BF16, rng);
+    auto shared = random_matrix(f, H, I, 64, sdt, rng);
     auto dshared = cuda::upload_matrix(shared.m, 2);
     std::vector<int> sel;  // J - 1 distinct routed experts (the last job is the shared one)
     for (int j = 0; j < J - 1; ++j) sel.push_back((4 + 7 * j) % E);

@@ -131,8 +131,8 @@ struct TcSmem {
   static constexpr int region = qf + 8 * HD;                       // qs [8][HD], macc [warps][8][HD]
   static constexpr int ring_floats = kAttnWarps * kTcStages * 8 * HD;  // [warp][stage][K, V][8][HD] bf16
   static constexpr int region_floats = ring_floats > 40 * HD ? ring_floats : 40 * HD;
-  static constexpr int mml = region + region_floats;              // [warps][8][2]
-  static constexpr int total = mml + kAttnWarps * kAttnHeads * 2;
+  static constexpr int mml = region + region_floats;              // [warps][8][2], then pw and aw
+  static constexpr int total = mml + kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads;
 };
 
 // (hi, lo) of two floats: hi = bf16(x), lo = bf16(x - hi).
@@ -485,25 +485,33 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
       for (int d = 0; d < DPL; ++d) macc[(warp * kAttnHeads + h) * HD + lane * DPL + d] = acc[h][d];
   }
   __syncthreads();
-  for (int idx = tid; idx < gcount * HD; idx += kAttnThreads) {
-    const int h = idx / HD, e = idx - h * HD;
+  // The warps' weights per head (exp(m_w - M), once per head and warp), then
+  // the merged output: one FMA per warp and element.
+  if (tid < kAttnHeads) {
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, mml[(w * kAttnHeads + h) * 2]);
-    float O = 0.f, Lsum = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, mml[(w * kAttnHeads + tid) * 2]);
+    float L = 0.f;
 #pragma unroll
     for (int w = 0; w < kAttnWarps; ++w) {
-      const float mw = mml[(w * kAttnHeads + h) * 2];
+      const float mw = mml[(w * kAttnHeads + tid) * 2];
       const float ww = mw == -INFINITY ? 0.f : expf(mw - M);
-      O = fmaf(ww, macc[(w * kAttnHeads + h) * HD + e], O);
-      Lsum = fmaf(ww, mml[(w * kAttnHeads + h) * 2 + 1], Lsum);
+      aw[w * kAttnHeads + tid] = ww;
+      L = fmaf(ww, mml[(w * kAttnHeads + tid) * 2 + 1], L);
     }
-    const size_t hs = size_t(kvh * G + hg0 + h) * p.max_splits + split;
-    p.part_o[hs * HD + e] = O;
-    if (e == 0) {
+    if (tid < gcount) {
+      const size_t hs = size_t(kvh * G + hg0 + tid) * p.max_splits + split;
       p.part_ml[hs * 2] = M;
-      p.part_ml[hs * 2 + 1] = Lsum;
+      p.part_ml[hs * 2 + 1] = L;
     }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < gcount * HD; idx += kAttnThreads) {
+    const int h = idx / HD, e = idx - h * HD;
+    float O = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) O = fmaf(aw[w * kAttnHeads + h], macc[(w * kAttnHeads + h) * HD + e], O);
+    p.part_o[(size_t(kvh * G + hg0 + h) * p.max_splits + split) * HD + e] = O;
   }
   trace_end(p.trace);
 }
