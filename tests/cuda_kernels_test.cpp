@@ -438,6 +438,7 @@ void moe_down_weighted_sum() {
       q.w = sh ? dshared.v.w : stack.v.w;
       q.sb = sh ? dshared.v.sb : stack.v.sb;
       q.expert = sh ? nullptr : dsel.as<int>() + j;
+      q.experts = E;
       q.w_expert_stride = 1LL * H * stack.v.chunks;
       q.sb_expert_stride = 1LL * H * stack.v.groups;
       q.x = dxs.as<float>() + j * I;
@@ -456,9 +457,15 @@ void moe_down_weighted_sum() {
   }
 }
 
+// Also with the expert ids read after the wait only, and with the read
+// before it made wrong on purpose (the loads must be issued again).
 TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
-  with_both_stagings(moe_down_weighted_sum);
+  for (const char* spec : {"1", "0", "2"}) {
+    ScopedEnv env("LILY_CUDA_SPEC_IDS", spec);
+    SCOPED_TRACE(std::string("LILY_CUDA_SPEC_IDS=") + spec);
+    with_both_stagings(moe_down_weighted_sum);
+  }
 }
 
 // Several decode steps of one DeltaNet layer against the CPU recurrence.

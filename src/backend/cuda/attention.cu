@@ -121,18 +121,20 @@ using prefill_detail::ldmatrix_x4_trans;
 using prefill_detail::mma_bf16;
 using prefill_detail::pack_bf16x2;
 
-// Floats of shared memory per block: the queries' fragments, then one region
-// that holds the staged queries and the merge (as the CUDA-core loop lays them
-// out) before and after the loop and the K / V ring during it, then the
-// (max, sum) pairs.
+// Floats of shared memory per block: the K / V ring (whose first
+// kAttnWarps * 8 * HD floats hold the merge after the loop), the staged
+// queries (f32, then their fragments in place), the new K row, then the
+// (max, sum) pairs and the merge's scratch. The ring does not overlap what
+// the prologue uses: its first steps are requested before the wait.
 template <int HD>
 struct TcSmem {
-  static constexpr int qf = 0;                                     // [HD / 16][32] uint4
-  static constexpr int region = qf + 8 * HD;                       // qs [8][HD], macc [warps][8][HD]
-  static constexpr int ring_floats = kAttnWarps * kTcStages * 8 * HD;  // [warp][stage][K, V][8][HD] bf16
-  static constexpr int region_floats = ring_floats > 40 * HD ? ring_floats : 40 * HD;
-  static constexpr int mml = region + region_floats;              // [warps][8][2], then pw and aw
+  static constexpr int ring = 0;                                   // [warp][stage][K, V][8][HD] bf16
+  static constexpr int ring_floats = kAttnWarps * kTcStages * 8 * HD;
+  static constexpr int qbuf = ring + ring_floats;                  // qs [8][HD], then qf [HD / 16][32] uint4
+  static constexpr int knorm = qbuf + 8 * HD;                      // [HD]
+  static constexpr int mml = knorm + HD;                           // [warps][8][2], then pw and aw
   static constexpr int total = mml + kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads;
+  static_assert(ring_floats >= kAttnWarps * kAttnHeads * HD, "the merge fits in the ring");
 };
 
 // (hi, lo) of two floats: hi = bf16(x), lo = bf16(x - hi).
@@ -143,17 +145,25 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
 
 // The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
 // {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
-// head g.
+// head g, written over the staged queries qs (read first, then a barrier).
 template <int HD>
 __device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
-  for (int idx = tid; idx < (HD / 16) * 32; idx += kAttnThreads) {
-    const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
-    const float* q = qs + g * HD + 16 * j + 2 * t;
-    uint4 f;
-    split_bf16(q[0], q[1], f.x, f.y);
-    split_bf16(q[8], q[9], f.z, f.w);
-    qf[idx] = f;
+  constexpr int NF = (HD / 16) * 32, NE = (NF + kAttnThreads - 1) / kAttnThreads;
+  uint4 f[NE];
+#pragma unroll
+  for (int u = 0; u < NE; ++u) {
+    const int idx = tid + u * kAttnThreads;
+    if (idx < NF) {
+      const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
+      const float* q = qs + g * HD + 16 * j + 2 * t;
+      split_bf16(q[0], q[1], f[u].x, f[u].y);
+      split_bf16(q[8], q[9], f[u].z, f[u].w);
+    }
   }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < NE; ++u)
+    if (tid + u * kAttnThreads < NF) qf[tid + u * kAttnThreads] = f[u];
 }
 
 // Rows b .. b + 7 of K and V into ring slot `dst` ([K, V][8][HD] bf16); rows
@@ -231,9 +241,28 @@ __device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, con
 // The warp's positions [p0 + 8 warp, p1) in steps of 8, 32 apart; leaves
 // (max, sum) per head and the unnormalised output in mml / macc as the
 // CUDA-core loop does (after a block barrier: the ring overlaps macc).
+// The warp's first kTcStages - 1 steps, each its own cp.async group, as far
+// as they end before `pos` (the new row, written after the wait): called
+// before the wait, it returns how many went out.
+constexpr int kTcStride = kAttnWarps * 8, kTcSlot = 16;  // positions between a warp's steps; slot: 16 HD bf16
+template <int HD>
+__device__ __forceinline__ int tc_prefetch(const uint16_t* kc, const uint16_t* vc, uint16_t* ring, int p0, int p1,
+                                           int pos, int warp, int lane) {
+  uint16_t* my = ring + size_t(warp) * kTcStages * kTcSlot * HD;
+  const int b0 = p0 + warp * 8;
+  int k = 0;
+  for (; k < kTcStages - 1; ++k) {
+    const int b = b0 + k * kTcStride;
+    if (b >= p1 || (b <= pos && pos < min(b + 8, p1))) break;
+    tc_issue<HD>(my + k * kTcSlot * HD, kc, vc, b, p1, lane);
+    cp_async_commit();
+  }
+  return k;
+}
+
 template <int HD>
 __device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const uint4* qf, uint16_t* ring,
-                                  float* macc, float* mml, int p0, int p1, int warp, int lane) {
+                                  float* macc, float* mml, int p0, int p1, int issued, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   TcState<HD> st;
@@ -241,12 +270,11 @@ __device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const 
   for (int m = 0; m < HD / 16; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
   st.m = -INFINITY;
   st.l = 0.f;
-  constexpr int kStride = kAttnWarps * 8, kSlot = 16 * HD;  // bf16 elements per slot (K and V)
+  constexpr int kStride = kTcStride, kSlot = kTcSlot * HD;  // bf16 elements per slot (K and V)
   uint16_t* my = ring + size_t(warp) * kTcStages * kSlot;
   const int b0 = p0 + warp * 8;
   const int nt = b0 < p1 ? (p1 - b0 + kStride - 1) / kStride : 0;
-#pragma unroll
-  for (int k = 0; k < kTcStages - 1; ++k) {
+  for (int k = issued; k < kTcStages - 1; ++k) {  // the first steps not requested before the wait
     if (k < nt) tc_issue<HD>(my + k * kSlot, kc, vc, b0 + k * kStride, p1, lane);
     cp_async_commit();
   }
@@ -282,12 +310,12 @@ template <int HD, bool BF, bool TC>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int DPL = HD / 32;
   trace_mark(p.trace, 0);
-  pdl_wait();
-  pdl_launch_dependents();
-  trace_mark(p.trace, 1);
   const int split = blockIdx.x, kvh = blockIdx.y, hg0 = blockIdx.z * kAttnHeads;
   const int G = p.nh / p.nkv;
   const int gcount = min(kAttnHeads, G - hg0);
+  // The position only changes between steps, so it is read before the wait
+  // (as the DeltaNet step does), and so are the first cached K / V rows
+  // (every row before pos was written by an earlier step) on tensor cores.
   const int pos = p.ctrl->pos, n = pos + 1;
   const int len = split_len(n, p.max_splits, p.min_split);
   const int p0 = split * len;
@@ -295,17 +323,29 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   const int p1 = min(n, p0 + len);
 
   extern __shared__ __align__(16) float sm[];
-  float* qs = sm;  // [8][HD]
-  if constexpr (TC) qs = sm + TcSmem<HD>::region;
-  float* macc = qs + kAttnHeads * HD;                // [warps][8][HD]
-  float* mml = macc + kAttnWarps * kAttnHeads * HD;  // [warps][8][2]
-  if constexpr (TC) mml = sm + TcSmem<HD>::mml;
-  float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
-  float* aw = pw + kAttnWarps * 32;                // [warps][8]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t head_base = size_t(kvh) * p.capacity * HD;
   char* kc = static_cast<char*>(p.k_cache) + head_base * (BF ? 2 : 4);
   char* vc = static_cast<char*>(p.v_cache) + head_base * (BF ? 2 : 4);
+  float* qs = sm;  // [8][HD]
+  float* macc = qs + kAttnHeads * HD;                // [warps][8][HD]
+  float* knorm = macc;                               // scratch until the merge
+  float* mml = macc + kAttnWarps * kAttnHeads * HD;  // [warps][8][2]
+  int issued = 0;
+  if constexpr (TC) {
+    qs = sm + TcSmem<HD>::qbuf;
+    macc = sm + TcSmem<HD>::ring;
+    knorm = sm + TcSmem<HD>::knorm;
+    mml = sm + TcSmem<HD>::mml;
+    if (p.prefetch)
+      issued = tc_prefetch<HD>(reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
+                               reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::ring), p0, p1, pos, warp, lane);
+  }
+  float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
+  float* aw = pw + kAttnWarps * 32;                // [warps][8]
+  pdl_wait();
+  pdl_launch_dependents();
+  trace_mark(p.trace, 1);
 
   // Queries: per-head RMSNorm (then RoPE below).
   for (int hl = warp; hl < kAttnHeads; hl += kAttnWarps) {
@@ -331,7 +371,6 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   // holds it; with more than 8 query heads per KV head several blocks share
   // the split and each writes the same values before reading them back.
   const bool writer = p0 <= pos && pos < p1;
-  float* knorm = macc;  // scratch until the merge
   const float* knew = p.qkv + size_t(p.nh) * p.q_head_stride + size_t(kvh) * HD;
   const float* vnew = p.qkv + size_t(p.nh) * p.q_head_stride + size_t(p.nkv) * HD + size_t(kvh) * HD;
   if (writer && warp == 0) {
@@ -362,20 +401,27 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     float* x = hl < kAttnHeads ? qs + hl * HD : knorm;
     if (hl == kAttnHeads && !writer) continue;
     if (hl < kAttnHeads && hl >= gcount) continue;
-    // The angle in f32 as the CPU forms it, its cosine and sine in f64:
-    // cosf / sinf take a slow argument reduction (local memory) past |x| ~
-    // 1e5, i.e. for the low frequencies at long contexts (2.4 us per launch
-    // at 128K); the f64 path stays fast there and rounds to the same floats.
+    // The angle in f32 as the CPU forms it. cosf / sinf take a slow argument
+    // reduction (local memory) past |x| ~ 1e5, i.e. for the low frequencies
+    // at long contexts (2.4 us per launch at 128K): there the cosine and sine
+    // come from f64, which stays fast and rounds to the same floats.
     const float angle = fpos * p.inv_freq[i];
-    double sd, cd;
-    sincos(static_cast<double>(angle), &sd, &cd);
-    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    float c, s;
+    if (fabsf(angle) < 65536.f) {
+      c = cosf(angle);
+      s = sinf(angle);
+    } else {
+      double sd, cd;
+      sincos(static_cast<double>(angle), &sd, &cd);
+      c = static_cast<float>(cd);
+      s = static_cast<float>(sd);
+    }
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
   }
   __syncthreads();
-  if constexpr (TC) build_q_frags<HD>(qs, reinterpret_cast<uint4*>(sm + TcSmem<HD>::qf), tid);
+  if constexpr (TC) build_q_frags<HD>(qs, reinterpret_cast<uint4*>(qs), tid);
   if (writer) {
     for (int e = tid; e < HD; e += kAttnThreads) {
       if constexpr (BF) reinterpret_cast<uint16_t*>(kc)[size_t(pos) * HD + e] = to_bf16_bits(knorm[e]);
@@ -387,8 +433,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
 
   if constexpr (TC) {
     attention_tc_loop<HD>(reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
-                          reinterpret_cast<const uint4*>(sm + TcSmem<HD>::qf),
-                          reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::region), macc, mml, p0, p1, warp, lane);
+                          reinterpret_cast<const uint4*>(qs), reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::ring),
+                          macc, mml, p0, p1, issued, warp, lane);
   } else {
     const float scale = 1.f / sqrtf(static_cast<float>(HD));
     float acc[kAttnHeads][DPL];
@@ -590,6 +636,7 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const dim3 grid(p.max_splits, p.nkv, (G + kAttnHeads - 1) / kAttnHeads);
   AttentionParams q = p;
   q.trace = next_trace();
+  q.prefetch = env_switch("LILY_CUDA_ATTN_PREFETCH", 1);  // an A/B switch
   // Tensor cores for a bf16 cache (LILY_CUDA_ATTN_TC=0: the CUDA-core loop).
   if constexpr (BF && HD % 64 == 0) {
     if (env_switch("LILY_CUDA_ATTN_TC", 1)) {

@@ -572,6 +572,7 @@ struct CudaBackend::Impl {
         J.w = L.experts_down.v.w;
         J.sb = L.experts_down.v.sb;
         J.expert = sidx + j;
+        J.experts = E;
         J.w_expert_stride = static_cast<long long>(H) * L.experts_down.v.chunks;
         J.sb_expert_stride = static_cast<long long>(H) * L.experts_down.v.groups;
         J.x = Hb + size_t(j) * I;

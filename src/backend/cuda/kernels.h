@@ -171,6 +171,7 @@ struct MoeDownJob {
   const uint4* w = nullptr;
   const uint32_t* sb = nullptr;
   const int* expert = nullptr;  // non-null: expert *expert of the stack
+  int experts = 0;              // the stack's experts (bounds the ids read before the wait)
   long long w_expert_stride = 0, sb_expert_stride = 0;
   const float* x = nullptr;     // [cols] input of this expert
   const float* coef = nullptr;  // device scalar weight (null: 1)
@@ -184,6 +185,7 @@ struct MoeDownParams {
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
   int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
+  int spec_ids = 1;      // set by launch_moe_down: expert ids read before the wait (2: wrongly, a test)
   TraceSpec trace;  // set by the launch function
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
@@ -227,6 +229,7 @@ struct AttentionParams {
   const DecodeCtrl* ctrl = nullptr;
   int nh = 0, nkv = 0, hd = 0, q_head_stride = 0, gated = 0;
   float* out = nullptr;  // combine: [nh * hd], times sigmoid(gate) when gated
+  int prefetch = 1;      // set by launch_attention: first K / V rows requested before the wait
   TraceSpec trace;  // set by the launch function
 };
 void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl);

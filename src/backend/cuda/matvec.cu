@@ -781,15 +781,72 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
                     (i % lpr) * 128);
     }
   }
+  // The expert ids are written by the gate_up launch (the predecessor) as
+  // soon as its routing is done, long before it ends: read them before the
+  // wait, speculatively, and send the first step's weight loads out at once;
+  // after the wait the ids are read again, and where one differs (a stale
+  // read) the loads are issued again after the staging. The weights are
+  // constants, so a matching id means the right data (v13). An id read out
+  // of the stack's range counts as expert 0 (then it mismatches).
+  __shared__ int s_e[kMaxJobs];
+  __shared__ int s_redo;
+  if (tid < p.njobs) {
+    const MoeDownJob& J = p.jobs[tid];
+    int e = 0;
+    if (J.expert && p.spec_ids) {
+      e = __ldcg(J.expert);
+      if (p.spec_ids == 2) e = J.experts > 0 ? (e + 1) % J.experts : e + 1;  // the test of a stale read
+      if (static_cast<unsigned>(e) >= static_cast<unsigned>(J.experts)) e = 0;
+    }
+    s_e[tid] = e;
+    s_w[tid] = J.w + e * J.w_expert_stride;
+    s_sb[tid] = CF::affine ? J.sb + e * J.sb_expert_stride : nullptr;
+  }
+  if (tid == 0) s_redo = 0;
+  __syncthreads();
+  // it / chunks as a multiply-high (exact: it and chunks below 2^16).
+  const uint32_t cmag = static_cast<uint32_t>((0x100000000ull + chunks - 1) / chunks);
+  auto job_of = [&](int it) { return static_cast<int>(__umulhi(static_cast<uint32_t>(it), cmag)); };
+  auto load = [&](int tl, int k, uint4 (&w)[U][2], uint32_t (&sv)[U][2]) {
+    const int r0 = (t_begin + tl) * TR + pair * 2;
+    if (r0 >= p.rows) return;
+    const int rb = r0 + 1 < p.rows ? r0 + 1 : r0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int it = ibeg + 32 * U * k + lane + 32 * u;
+      if (it < iend) {
+        const int jj = job_of(it), c = it - jj * chunks;
+        const uint4* wj = s_w[jj];
+        w[u][0] = ld_stream(wj + size_t(r0) * chunks + c);
+        w[u][1] = ld_stream(wj + size_t(rb) * chunks + c);
+        if constexpr (CF::affine) {
+          const uint32_t* sj = s_sb[jj];
+          sv[u][0] = ld_stream(sj + size_t(r0) * p.groups + (c >> cpg_sh));
+          sv[u][1] = ld_stream(sj + size_t(rb) * p.groups + (c >> cpg_sh));
+        }
+      }
+    }
+  };
+  const int niter = (per + 32 * U - 1) / (32 * U);
+  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
+  uint4 wc[U][2], wn[U][2];
+  uint32_t sc[U][2], sn[U][2];
+#pragma unroll
+  for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
+  if (nq > 0 && p.spec_ids) load(0, 0, wc, sc);
+
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
 
   if (tid < p.njobs) {
     const MoeDownJob& J = p.jobs[tid];
-    const long long e = J.expert ? *J.expert : 0;
-    s_w[tid] = J.w + e * J.w_expert_stride;
-    s_sb[tid] = CF::affine ? J.sb + e * J.sb_expert_stride : nullptr;
+    const int e = J.expert ? __ldcg(J.expert) : 0;
+    if (!p.spec_ids || e != s_e[tid]) {
+      s_w[tid] = J.w + static_cast<long long>(e) * J.w_expert_stride;
+      s_sb[tid] = CF::affine ? J.sb + static_cast<long long>(e) * J.sb_expert_stride : nullptr;
+      s_redo = 1;
+    }
     s_coef[tid] = J.coef ? *J.coef : 1.f;
   }
   // Stage every job's input, item = job * chunks + chunk.
@@ -797,10 +854,6 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   const int total_in = p.njobs * per_job;
   float* xsum = smem + items * CF::FPC;
   const float4* xs = reinterpret_cast<const float4*>(smem);
-  // Items of a warp: (tile, step) with U (expert, chunk) items per lane per
-  // step, from its range [ibeg, iend).
-  const int niter = (per + 32 * U - 1) / (32 * U);
-  const int nq = t_end > t_begin ? (t_end - t_begin) * niter : 0;
   if (p.fast_stage) {
     // One pass: thread t owns the float4 pieces t + k * blockDim.x of the
     // (job, chunk) inputs, all loads in flight at once; a chunk's sum over
@@ -856,35 +909,11 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   trace_mark(p.trace, 2);
 
-  // it / chunks as a multiply-high (exact: it and chunks below 2^16).
-  const uint32_t cmag = static_cast<uint32_t>((0x100000000ull + chunks - 1) / chunks);
-  auto job_of = [&](int it) { return static_cast<int>(__umulhi(static_cast<uint32_t>(it), cmag)); };
-  auto load = [&](int tl, int k, uint4 (&w)[U][2], uint32_t (&sv)[U][2]) {
-    const int r0 = (t_begin + tl) * TR + pair * 2;
-    if (r0 >= p.rows) return;
-    const int rb = r0 + 1 < p.rows ? r0 + 1 : r0;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int it = ibeg + 32 * U * k + lane + 32 * u;
-      if (it < iend) {
-        const int jj = job_of(it), c = it - jj * chunks;
-        const uint4* wj = s_w[jj];
-        w[u][0] = ld_stream(wj + size_t(r0) * chunks + c);
-        w[u][1] = ld_stream(wj + size_t(rb) * chunks + c);
-        if constexpr (CF::affine) {
-          const uint32_t* sj = s_sb[jj];
-          sv[u][0] = ld_stream(sj + size_t(r0) * p.groups + (c >> cpg_sh));
-          sv[u][1] = ld_stream(sj + size_t(rb) * p.groups + (c >> cpg_sh));
-        }
-      }
-    }
-  };
   __shared__ float s_part[kMatvecThreads / 32][2];
-  uint4 wc[U][2], wn[U][2];
-  uint32_t sc[U][2], sn[U][2];
-#pragma unroll
-  for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
-  if (nq > 0) load(0, 0, wc, sc);
+  // Items of a warp: (tile, step) with U (expert, chunk) items per lane per
+  // step, from its range [ibeg, iend). The first step's loads, unless they
+  // went out before the wait with the right experts.
+  if (nq > 0 && s_redo) load(0, 0, wc, sc);
   float acc[2] = {0.f, 0.f};
   for (int q = 0, tl = 0, k = 0; q < nq; ++q) {
     const int tl1 = k + 1 == niter ? tl + 1 : tl, k1 = k + 1 == niter ? 0 : k + 1;
@@ -1054,6 +1083,9 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   // Warps per row pair and items per lane per step: one step per warp where
   // it fits (up to 96 items per warp), so a warp's loads all go out at once;
   // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
+  // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
+  // the speculative read made wrong, so the tests cover the reissue).
+  if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
   int U = 2;
   q.split = 1;
   if (env_switch("LILY_CUDA_DOWN_SPLIT", 1) && items > 64) {
