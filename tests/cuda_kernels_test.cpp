@@ -367,6 +367,51 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   EXPECT_EQ(h.pos, 42);
 }
 
+// The lm_head's shape class: so many tiles that every block runs more than
+// 16 of them; rows not a multiple of the tile, one and two steps per tile,
+// bf16 and f16 scales, the input RMSNorm, the argmax and the position step.
+TEST(CudaMatvec, LmHeadShapeManyTilesPerBlock) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(23);
+  int dev = 0, sms = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int V = 17 * 16 * sms + 37;
+  for (auto [H, sdt] : {std::pair{192, DType::BF16}, std::pair{2112, DType::F16}}) {
+    SCOPED_TRACE("H " + std::to_string(H));
+    auto m = random_matrix(WeightFormat::Affine4, V, H, 64, sdt, rng);
+    auto dm = cuda::upload_matrix(m.m, 1);
+    const auto x = random_vec(H, rng), nw = random_vec(H, rng, 0.5f, 1.5f);
+    auto dx = to_device(x), dnw = to_device(nw);
+    std::vector<float> xn(H);
+    cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
+    auto out = poisoned(V);
+    cuda::DecodeCtrl h = {5, 0, 0, 0, 0};
+    DeviceBuffer ctrl(sizeof h), counter(4);
+    LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
+    cuda::MatvecParams p;
+    cuda::set_layout(p, dm.v);
+    p.njobs = 1;
+    p.jobs[0] = {dm.v.w, dm.v.sb, V, -1, 0, 0, out.as<float>()};
+    p.x = dx.as<float>();
+    p.pro = cuda::Prologue::Norm;
+    p.norm_w = dnw.as<float>();
+    p.seg = H;
+    p.argmax = 1;
+    p.fin = cuda::Finish::LmHead;
+    p.counter = counter.as<unsigned>();
+    p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+    cuda::launch_matvec(p, nullptr, false);
+    auto y = to_host<float>(out, V);
+    EXPECT_LT(rel_err(y, cpu_matvec(m.m, xn)), 2e-5);
+    LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
+    const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
+    EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
+    EXPECT_EQ(h.pos, 6);
+  }
+}
+
 // Blocks with several tiles each, across a job boundary (the loop steps to
 // the next tile of a job without the job search): 4,500 + 4,501 rows, three
 // formats, the input RMSNorm.
