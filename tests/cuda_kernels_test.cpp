@@ -74,13 +74,11 @@ struct ScopedEnv {
   ~ScopedEnv() { unsetenv(name); }
 };
 // Runs a test body with the one-pass input staging (the default where it
-// applies; with the scale type as a template parameter, the default, and as
-// the run-time flag, LILY_CUDA_SB_T=0) and with the general one.
+// applies) and with the general one.
 void with_both_stagings(void (*body)()) {
-  for (const char* mode : {"11", "10", "01"}) {
-    const char fast[2] = {mode[0], 0}, sb_t[2] = {mode[1], 0};
-    ScopedEnv env("LILY_CUDA_FAST_STAGE", fast), env2("LILY_CUDA_SB_T", sb_t);
-    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast + " LILY_CUDA_SB_T=" + sb_t);
+  for (const char* fast : {"1", "0"}) {
+    ScopedEnv env("LILY_CUDA_FAST_STAGE", fast);
+    SCOPED_TRACE(std::string("LILY_CUDA_FAST_STAGE=") + fast);
     body();
   }
 }

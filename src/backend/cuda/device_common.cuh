@@ -236,17 +236,6 @@ __device__ __forceinline__ float2 decode_sb(uint32_t v, int f16) {
   return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
 }
 
-// decode_sb with the halves' type known at compile time (SB = 1: bf16,
-// 2: f16; 0: the run-time f16 flag). The streaming kernels are instantiated
-// per type, so a group's scale and bias cost two instructions, not both
-// conversions and a select.
-template <int SB>
-__device__ __forceinline__ float2 decode_sb_t(uint32_t v, int f16) {
-  if constexpr (SB == 1) return decode_sb(v, 0);
-  else if constexpr (SB == 2) return decode_sb(v, 1);
-  else return decode_sb(v, f16);
-}
-
 // Orders floats as unsigned integers (larger float -> larger key).
 __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
   uint32_t b = __float_as_uint(v);

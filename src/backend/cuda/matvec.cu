@@ -530,7 +530,7 @@ __device__ __forceinline__ void load_item(const TileRows& tr, int c0, int chunks
   }
 }
 
-template <QFmt F, int SB>
+template <QFmt F>
 __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chunks, int sb_f16,
                                              const float4* xs, const float* xsum, float (&acc)[2]) {
   using CF = ChunkFmt<F>;
@@ -544,7 +544,7 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
         const float xsc = xsum[c];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          acc[r] += CF::affine_term(decode_sb_t<SB>(it.s[u][r], sb_f16), d[r], xsc);
+          acc[r] += CF::affine_term(decode_sb(it.s[u][r], sb_f16), d[r], xsc);
         }
       } else {
         acc[0] += d[0];
@@ -556,7 +556,7 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
 
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
-template <QFmt F, bool Route, bool Fast, int SB>
+template <QFmt F, bool Route, bool Fast>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -671,7 +671,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       tr_nxt = k1 == 0 ? tile_rows_next<CF::affine>(p, tr_cur, t_begin + tl1, warp, s_sel_idx) : tr_cur;
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
-    if (tr_cur.valid) compute_item<F, SB>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
+    if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
     if (q == 0) trace_clock(p.trace, 7);
     if (k == niter - 1 && tr_cur.valid) {
       // The two rows' sums by a reduce-scatter: one exchange at distance 16
@@ -735,22 +735,20 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 
 // No register cap (about 95 registers for q4: 2 blocks per SM); _3: capped
 // at 85 registers for 3 blocks per SM (a few bytes of spills).
-// SB: the scale halves' type (decode_sb_t; 0 = the run-time flag, for the
-// general staging path and the A/B switch LILY_CUDA_SB_T=0).
-template <QFmt F, bool Route, bool Fast, int SB>
+template <QFmt F, bool Route, bool Fast>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, Route, Fast, SB>(p);
+  matvec_body<F, Route, Fast>(p);
 }
 template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, Route, false, 0>(p);
+  matvec_body<F, Route, false>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. p.split warps (1, 2 or 4) own two
 // output rows and split the (expert, chunk) items of both, U per lane and
 // step, so all experts' rows for one output are summed in registers, the
 // warps' partial sums added in shared memory in warp order: no atomics.
-template <QFmt F, int U, int SB>
+template <QFmt F, int U>
 __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -931,7 +929,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
           for (int r = 0; r < 2; ++r) {
             float v = d[r];
             if constexpr (CF::affine) {
-              v = CF::affine_term(decode_sb_t<SB>(sc[u][r], p.sb_f16), d[r], xsum[it]);
+              v = CF::affine_term(decode_sb(sc[u][r], p.sb_f16), d[r], xsum[it]);
             }
             acc[r] = fmaf(coef, v, acc[r]);
           }
@@ -1031,14 +1029,9 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
 
 template <QFmt F, bool Route>
 void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
-  constexpr bool kAff = F == QFmt::Q4 || F == QFmt::Q8;
   static bool init = [] {
-    allow_big_smem(matvec_kernel<F, Route, false, 0>);
-    allow_big_smem(matvec_kernel<F, Route, true, 0>);
-    if constexpr (kAff) {
-      allow_big_smem(matvec_kernel<F, Route, true, 1>);
-      allow_big_smem(matvec_kernel<F, Route, true, 2>);
-    }
+    allow_big_smem(matvec_kernel<F, Route, false>);
+    allow_big_smem(matvec_kernel<F, Route, true>);
     allow_big_smem(matvec_kernel_3<F, Route>);
     return true;
   }();
@@ -1051,12 +1044,9 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
                        (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
   const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
                     fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
-  const bool sb_t = kAff && env_switch("LILY_CUDA_SB_T", 1);
   if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
-  else if (fast && sb_t && p.sb_f16) launch_matvec_k(matvec_kernel<F, Route, true, kAff ? 2 : 0>, F, p, s, pdl);
-  else if (fast && sb_t) launch_matvec_k(matvec_kernel<F, Route, true, kAff ? 1 : 0>, F, p, s, pdl);
-  else if (fast) launch_matvec_k(matvec_kernel<F, Route, true, 0>, F, p, s, pdl);
-  else launch_matvec_k(matvec_kernel<F, Route, false, 0>, F, p, s, pdl);
+  else if (fast) launch_matvec_k(matvec_kernel<F, Route, true>, F, p, s, pdl);
+  else launch_matvec_k(matvec_kernel<F, Route, false>, F, p, s, pdl);
 }
 template <QFmt F>
 void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
@@ -1066,14 +1056,9 @@ void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
 
 template <QFmt F>
 void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
-  constexpr bool kAff = F == QFmt::Q4 || F == QFmt::Q8;
   static bool init = [] {
-    allow_big_smem(moe_down_kernel<F, 2, 0>);
-    allow_big_smem(moe_down_kernel<F, 3, 0>);
-    if constexpr (kAff) {
-      allow_big_smem(moe_down_kernel<F, 3, 1>);
-      allow_big_smem(moe_down_kernel<F, 3, 2>);
-    }
+    allow_big_smem(moe_down_kernel<F, 2>);
+    allow_big_smem(moe_down_kernel<F, 3>);
     return true;
   }();
   (void)init;
@@ -1092,11 +1077,7 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
     U = 3;
     q.split = items <= 2 * 96 ? 2 : 4;
   }
-  const bool sb_t = kAff && env_switch("LILY_CUDA_SB_T", 1);
-  auto kernel = U == 2                ? moe_down_kernel<F, 2, 0>
-                : !sb_t               ? moe_down_kernel<F, 3, 0>
-                : p.sb_f16            ? moe_down_kernel<F, 3, kAff ? 2 : 0>
-                                      : moe_down_kernel<F, 3, kAff ? 1 : 0>;
+  auto kernel = U == 3 ? moe_down_kernel<F, 3> : moe_down_kernel<F, 2>;
   const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
   const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
   const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
