@@ -334,14 +334,15 @@ TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
   with_both_stagings(routed_gate_up);
 }
 
-TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
-  LILY_SKIP_WITHOUT_GPU();
-  std::mt19937 rng(9);
-  const int V = 5003, H = 192;
-  auto m = random_matrix(WeightFormat::Affine4, V, H, 64, DType::BF16, rng);
+// One lm_head launch (a single q4 job of V rows, stored, with the argmax
+// and the position step; the input RMSNorm when `norm`) against the CPU.
+void check_lm_head_launch(int V, int H, DType sdt, bool norm, std::mt19937& rng) {
+  auto m = random_matrix(WeightFormat::Affine4, V, H, 64, sdt, rng);
   auto dm = cuda::upload_matrix(m.m, 1);
-  const auto x = random_vec(H, rng);
-  auto dx = to_device(x);
+  const auto x = random_vec(H, rng), nw = random_vec(H, rng, 0.5f, 1.5f);
+  auto dx = to_device(x), dnw = to_device(nw);
+  std::vector<float> xin = x;
+  if (norm) cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xin.data());
   auto out = poisoned(V);
   cuda::DecodeCtrl h = {41, 0, 0, 0, 0};
   DeviceBuffer ctrl(sizeof h), counter(4);
@@ -352,17 +353,28 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
   p.njobs = 1;
   p.jobs[0] = {dm.v.w, dm.v.sb, V, -1, 0, 0, out.as<float>()};
   p.x = dx.as<float>();
+  if (norm) {
+    p.pro = cuda::Prologue::Norm;
+    p.norm_w = dnw.as<float>();
+    p.seg = H;
+  }
   p.argmax = 1;
   p.fin = cuda::Finish::LmHead;
   p.counter = counter.as<unsigned>();
   p.ctrl = ctrl.as<cuda::DecodeCtrl>();
   cuda::launch_matvec(p, nullptr, false);
   auto y = to_host<float>(out, V);
-  EXPECT_LT(rel_err(y, cpu_matvec(m.m, x)), 2e-5);
+  EXPECT_LT(rel_err(y, cpu_matvec(m.m, xin)), 2e-5);
   LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
   const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
   EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
   EXPECT_EQ(h.pos, 42);
+}
+
+TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(9);
+  check_lm_head_launch(5003, 192, DType::BF16, false, rng);
 }
 
 // The lm_head's shape class: so many tiles that every block runs more than
@@ -374,39 +386,9 @@ TEST(CudaMatvec, LmHeadShapeManyTilesPerBlock) {
   int dev = 0, sms = 0;
   LILY_CUDA(cudaGetDevice(&dev));
   LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int V = 17 * 16 * sms + 37;
   for (auto [H, sdt] : {std::pair{192, DType::BF16}, std::pair{2112, DType::F16}}) {
     SCOPED_TRACE("H " + std::to_string(H));
-    auto m = random_matrix(WeightFormat::Affine4, V, H, 64, sdt, rng);
-    auto dm = cuda::upload_matrix(m.m, 1);
-    const auto x = random_vec(H, rng), nw = random_vec(H, rng, 0.5f, 1.5f);
-    auto dx = to_device(x), dnw = to_device(nw);
-    std::vector<float> xn(H);
-    cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
-    auto out = poisoned(V);
-    cuda::DecodeCtrl h = {5, 0, 0, 0, 0};
-    DeviceBuffer ctrl(sizeof h), counter(4);
-    LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
-    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
-    cuda::MatvecParams p;
-    cuda::set_layout(p, dm.v);
-    p.njobs = 1;
-    p.jobs[0] = {dm.v.w, dm.v.sb, V, -1, 0, 0, out.as<float>()};
-    p.x = dx.as<float>();
-    p.pro = cuda::Prologue::Norm;
-    p.norm_w = dnw.as<float>();
-    p.seg = H;
-    p.argmax = 1;
-    p.fin = cuda::Finish::LmHead;
-    p.counter = counter.as<unsigned>();
-    p.ctrl = ctrl.as<cuda::DecodeCtrl>();
-    cuda::launch_matvec(p, nullptr, false);
-    auto y = to_host<float>(out, V);
-    EXPECT_LT(rel_err(y, cpu_matvec(m.m, xn)), 2e-5);
-    LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
-    const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
-    EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
-    EXPECT_EQ(h.pos, 6);
+    check_lm_head_launch(17 * 16 * sms + 37, H, sdt, true, rng);
   }
 }
 
