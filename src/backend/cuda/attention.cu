@@ -238,9 +238,6 @@ __device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, con
   }
 }
 
-// The warp's positions [p0 + 8 warp, p1) in steps of 8, 32 apart; leaves
-// (max, sum) per head and the unnormalised output in mml / macc as the
-// CUDA-core loop does (after a block barrier: the ring overlaps macc).
 // The warp's first kTcStages - 1 steps, each its own cp.async group, as far
 // as they end before `pos` (the new row, written after the wait): called
 // before the wait, it returns how many went out.
@@ -260,6 +257,10 @@ __device__ __forceinline__ int tc_prefetch(const uint16_t* kc, const uint16_t* v
   return k;
 }
 
+// The warp's positions [p0 + 8 warp, p1) in steps of 8, 32 apart (the first
+// `issued` steps already requested); leaves (max, sum) per head and the
+// unnormalised output in mml / macc as the CUDA-core loop does (after a block
+// barrier: the ring overlaps macc).
 template <int HD>
 __device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const uint4* qf, uint16_t* ring,
                                   float* macc, float* mml, int p0, int p1, int issued, int warp, int lane) {
