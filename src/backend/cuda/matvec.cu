@@ -1065,12 +1065,12 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int items = p.njobs * p.chunks;
   if (items >= 65536) fail("moe_down: ", items, " (expert, chunk) items (below 65536)");  // job_of's range
   MoeDownParams q = p;
-  // Warps per row pair and items per lane per step: one step per warp where
-  // it fits (up to 96 items per warp), so a warp's loads all go out at once;
-  // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
   // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
   // the speculative read made wrong, so the tests cover the reissue).
   if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
+  // Warps per row pair and items per lane per step: one step per warp where
+  // it fits (up to 96 items per warp), so a warp's loads all go out at once;
+  // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
   int U = 2;
   q.split = 1;
   if (env_switch("LILY_CUDA_DOWN_SPLIT", 1) && items > 64) {
