@@ -198,21 +198,31 @@ TEST(CudaMatvec, AddAndSwiGlu) {
   }
   EXPECT_LT(rel_err(got, want), 2e-5);
 
-  // Add epilogue: out += W x.
-  auto m = random_matrix(WeightFormat::BF16, 99, H, 0, DType::BF16, rng);
-  auto dm = cuda::upload_matrix(m.m, 2);
-  const auto base = random_vec(99, rng);
-  auto dout = to_device(base);
-  cuda::MatvecParams q;
-  cuda::set_layout(q, dm.v);
-  q.njobs = 1;
-  q.jobs[0] = {dm.v.w, dm.v.sb, 99, -1, 0, 0, dout.as<float>()};
-  q.x = dx.as<float>();
-  q.epi = cuda::Epilogue::Add;
-  cuda::launch_matvec(q, nullptr, false);
-  auto y = cpu_matvec(m.m, x);
-  for (int i = 0; i < 99; ++i) y[i] += base[i];
-  EXPECT_LT(rel_err(to_host<float>(dout, 99), y), 2e-5);
+  // Add epilogue: out += W x; then again with the first tile's rows read
+  // before the wait (out_early), on 99 rows (a tile per block) and on 5,003
+  // (more tiles than an H200 holds blocks: later tiles read after it).
+  for (int R : {99, 5003}) {
+    SCOPED_TRACE("Add, rows " + std::to_string(R));
+    auto m = random_matrix(WeightFormat::BF16, R, H, 0, DType::BF16, rng);
+    auto dm = cuda::upload_matrix(m.m, 2);
+    const auto base = random_vec(R, rng);
+    auto dout = to_device(base);
+    cuda::MatvecParams q;
+    cuda::set_layout(q, dm.v);
+    q.njobs = 1;
+    q.jobs[0] = {dm.v.w, dm.v.sb, R, -1, 0, 0, dout.as<float>()};
+    q.x = dx.as<float>();
+    q.epi = cuda::Epilogue::Add;
+    cuda::launch_matvec(q, nullptr, false);
+    const auto wx = cpu_matvec(m.m, x);
+    std::vector<float> y(R);
+    for (int i = 0; i < R; ++i) y[i] = base[i] + wx[i];
+    EXPECT_LT(rel_err(to_host<float>(dout, R), y), 2e-5);
+    q.out_early = 1;
+    cuda::launch_matvec(q, nullptr, false);
+    for (int i = 0; i < R; ++i) y[i] += wx[i];
+    EXPECT_LT(rel_err(to_host<float>(dout, R), y), 2e-5) << "out_early";
+  }
 }
 
 // The MoE block's first two launches as the backend issues them: the router
@@ -220,23 +230,41 @@ TEST(CudaMatvec, AddAndSwiGlu) {
 // route prologue takes softmax -> top-k -> renormalisation and runs the
 // selected experts (+ the shared expert) with SwiGLU. Against the CPU
 // backend's routing on the device's logits, and the CPU matvec.
+// fold: the router folded into the launch before (RouterFold): an out_proj
+// (q4, residual add) writes h and sums the router's fixed-point logits into
+// an accumulator that a third launch zeroed first (it starts as garbage),
+// and gate_up routes from those.
 void routed_gate_up() {
   std::mt19937 rng(5);
   struct Case {
-    int E, k, shared, norm, ties;
+    int E, k, shared, norm, ties, fold = 0, H = 320;
+    WeightFormat rf = WeightFormat::Affine8;
+    DType sdt = DType::BF16;
   };
   // ties: logits from the host, three distinct values (many exact ties);
-  // those cases also run gate_up without an input prologue.
-  const Case cases[] = {{37, 5, 1, 1, 0},  {37, 5, 0, 0, 0},  {300, 8, 1, 0, 0}, {512, 11, 1, 1, 0},
-                        {256, 8, 0, 1, 0}, {70, 6, 1, 1, 1},  {45, 7, 0, 0, 1},  {256, 8, 1, 1, 1}};
-  const int H = 320, I = 45, Is = 29;
+  // those cases also run gate_up without an input prologue. The 4,480-wide
+  // fold case runs 280 blocks (a tile each), more than an H200 holds at once.
+  const Case cases[] = {{37, 5, 1, 1, 0},
+                        {37, 5, 0, 0, 0},
+                        {300, 8, 1, 0, 0},
+                        {512, 11, 1, 1, 0},
+                        {256, 8, 0, 1, 0},
+                        {70, 6, 1, 1, 1},
+                        {45, 7, 0, 0, 1},
+                        {256, 8, 1, 1, 1},
+                        {37, 5, 1, 1, 0, 1},
+                        {256, 8, 1, 1, 0, 1, 2048},
+                        {128, 8, 0, 1, 0, 1, 320, WeightFormat::Affine4, DType::F16},
+                        {300, 8, 1, 0, 0, 1, 4480},
+                        {383, 9, 1, 1, 0, 1, 192, WeightFormat::Affine4}};
+  const int I = 45, Is = 29;
   for (const Case& rc : cases) {
-    const int E = rc.E, k = rc.k;
+    const int E = rc.E, k = rc.k, H = rc.H;
     SCOPED_TRACE("E " + std::to_string(E) + " k " + std::to_string(k) + " shared " +
                  std::to_string(rc.shared) + " norm " + std::to_string(rc.norm) + " ties " +
-                 std::to_string(rc.ties));
-    auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
-    auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
+                 std::to_string(rc.ties) + " fold " + std::to_string(rc.fold) + " H " + std::to_string(H));
+    auto r = random_matrix(rc.rf, E, H, 64, rc.sdt, rng);
+    auto sg = random_matrix(rc.rf, 1, H, 64, rc.sdt, rng);
     auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
     ExpertStack es = random_expert_stack(E, I, H, rng, 3);
     const auto& gates = es.gates;
@@ -245,9 +273,62 @@ void routed_gate_up() {
     auto shg = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
     auto shu = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
     auto dsh = cuda::upload_interleaved(shg.m, shu.m, 4);
-    const auto x = random_vec(H, rng, -3, 3), nw = random_vec(H, rng, 0.5f, 1.5f);
+    auto x = random_vec(H, rng, -3, 3);
+    const auto nw = random_vec(H, rng, 0.5f, 1.5f);
     auto dx = to_device(x), dnw = to_device(nw);
     const cuda::Prologue pro = rc.ties ? cuda::Prologue::None : cuda::Prologue::Norm;
+
+    DeviceBuffer acc, fold_q, fold_sb;
+    float inv_r = 1.f;
+    if (rc.fold) {
+      // h = x + W_o a with the router fold, after a launch that zeroes acc.
+      const cuda::DevMatView* psg = rc.shared ? &dsg.v : nullptr;
+      ASSERT_TRUE(cuda::router_fold_ok(dr.v, psg, H));
+      const int ld = cuda::router_fold_ld(dr.v, psg);
+      fold_q = DeviceBuffer(size_t(H) * ld);
+      fold_sb = DeviceBuffer(size_t(dr.v.groups) * ld * 4);
+      acc = DeviceBuffer(size_t(ld) * 8);
+      LILY_CUDA(cudaMemset(acc.get(), 0x5a, acc.bytes()));
+      cuda::build_router_fold(dr.v, psg, fold_q.as<uint32_t>(), fold_sb.as<uint32_t>(), nullptr);
+      const int A = 192;
+      auto wo = random_matrix(WeightFormat::Affine4, H, A, 64, DType::BF16, rng);
+      auto dwo = cuda::upload_matrix(wo.m, 6);
+      const auto a = random_vec(A, rng);
+      auto da = to_device(a);
+      {
+        auto scratch = poisoned(7);
+        cuda::MatvecParams z;
+        cuda::set_layout(z, dwo.v);
+        z.njobs = 1;
+        z.jobs[0] = {dwo.v.w, dwo.v.sb, 7, -1, 0, 0, scratch.as<float>()};
+        z.x = da.as<float>();
+        z.zero_acc = acc.as<unsigned long long>();
+        z.zero_n = E + rc.shared;
+        cuda::launch_matvec(z, nullptr, false);
+      }
+      cuda::MatvecParams o;
+      cuda::set_layout(o, dwo.v);
+      o.njobs = 1;
+      o.jobs[0] = {dwo.v.w, dwo.v.sb, H, -1, 0, 0, dx.as<float>()};
+      o.x = da.as<float>();
+      o.epi = cuda::Epilogue::Add;
+      o.fold.q = fold_q.as<uint32_t>();
+      o.fold.sb = fold_sb.as<uint32_t>();
+      o.fold.g = dnw.as<float>();
+      o.fold.acc = acc.as<unsigned long long>();
+      o.fold.n = E + rc.shared;
+      o.fold.ld = ld;
+      o.fold.gshift = 6;
+      o.fold.sb_f16 = dr.v.sb_f16;
+      cuda::launch_matvec(o, nullptr, false);
+      auto want_h = cpu_matvec(wo.m, a);
+      for (int i = 0; i < H; ++i) want_h[i] += x[i];
+      x = to_host<float>(dx, H);
+      EXPECT_LT(rel_err(x, want_h), 2e-5);
+      double ss = 0;
+      for (float v : x) ss += double(v) * v;
+      inv_r = static_cast<float>(1.0 / std::sqrt(ss / H + 1e-6));
+    }
     std::vector<float> xn = x;
     if (pro == cuda::Prologue::Norm) cpu::rms_norm(x.data(), nw.data(), H, 1e-6f, xn.data());
 
@@ -256,7 +337,7 @@ void routed_gate_up() {
       std::vector<float> tl(E + 1);
       for (float& v : tl) v = 0.5f * static_cast<float>(rng() % 3);
       cuda::upload(logits, tl.data(), tl.size());
-    } else {
+    } else if (!rc.fold) {
       cuda::MatvecParams p;
       cuda::set_layout(p, dr.v);
       p.njobs = rc.shared ? 2 : 1;
@@ -276,6 +357,14 @@ void routed_gate_up() {
     cuda::set_layout(g, stack.v);
     g.route = {logits.as<float>(), E, k, rc.norm, rc.shared ? logits.as<float>() + E : nullptr,
                sel_idx.as<int>(), sel_w.as<float>()};
+    if (rc.fold) {
+      g.route.logits = nullptr;
+      g.route.shared_gate_logit = nullptr;
+      g.route.acc = acc.as<unsigned long long>();
+      g.route.acc_shared = rc.shared;
+      g.route.h = dx.as<float>();
+      g.route.h_n = H;
+    }
     g.njobs = k + rc.shared;
     for (int j = 0; j < k; ++j)
       g.jobs[j] = {stack.v.w, stack.v.sb, 2 * I, j, 2LL * I * stack.v.chunks, 2LL * I * stack.v.groups,
@@ -290,7 +379,12 @@ void routed_gate_up() {
 
     // Router logits against the CPU, then the CPU's routing on the device's
     // logits (routing is what is tested; near-ties would otherwise flip).
+    // Folded: the fixed-point sums over the RMS the host takes of h.
     auto lg = to_host<float>(logits, E + 1);
+    if (rc.fold) {
+      auto a = to_host<long long>(acc, E + rc.shared);
+      for (int e = 0; e < E + rc.shared; ++e) lg[e] = static_cast<float>(double(a[e]) / 4294967296.0) * inv_r;
+    }
     if (!rc.ties) {
       auto want_lg = cpu_matvec(r.m, xn);
       if (rc.shared) want_lg.push_back(cpu_matvec(sg.m, xn)[0]);
@@ -432,6 +526,7 @@ void moe_down_weighted_sum() {
   // (two or four warps per row pair: q4 144 items, bf16 576), each also
   // with LILY_CUDA_DOWN_SPLIT=0 (one warp per row pair throughout).
   const Shape shapes[] = {{6, 77, 192, 4}, {12, 77, 512, 9}};
+  int iter = 0;  // every other case reads the residual rows before the wait (out_early)
   for (const Shape& sh_ : shapes)
   for (const char* split : {"1", "0"})
   for (auto [f, sdt] : {std::pair{WeightFormat::Affine4, DType::BF16}, std::pair{WeightFormat::Affine4, DType::F16},
@@ -470,6 +565,7 @@ void moe_down_weighted_sum() {
       q.coef = dcoef.as<float>() + j;
     }
     p.out = dout.as<float>();
+    p.out_early = iter++ % 2;
     cuda::launch_moe_down(p, nullptr, false);
     std::vector<float> want = base;
     for (int j = 0; j < J; ++j) {
@@ -477,7 +573,7 @@ void moe_down_weighted_sum() {
       auto y = cpu_matvec(m, std::vector<float>(xs.begin() + j * I, xs.begin() + (j + 1) * I));
       for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
     }
-    EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
+    EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f) << " out_early " << p.out_early;
     unsetenv("LILY_CUDA_DOWN_SPLIT");
   }
 }

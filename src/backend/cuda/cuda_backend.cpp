@@ -51,6 +51,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_ATTN_MIN_SPLIT")) o.attn_min_split = std::max(32, std::atoi(v) / 32 * 32);
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK")) {
     char* end = nullptr;
     const long n = std::strtol(v, &end, 10);
@@ -73,6 +74,10 @@ struct LayerDev {
   DevMat mlp_gate_up, mlp_down;
   DevMat router, shared_gate, experts_gate_up, experts_down, shared_gate_up, shared_down;
   bool has_shared = false;
+  // The router folded into the out_proj / o_proj epilogue (kernels.h,
+  // RouterFold); empty when the router's layout does not allow it.
+  DeviceBuffer fold_q, fold_sb, fold_acc;
+  RouterFold fold;
 };
 
 DeviceBuffer upload_vec(const std::vector<float>& v) {
@@ -269,6 +274,24 @@ struct CudaBackend::Impl {
           D.shared_down = mat(M.shared.down);
           D.shared_gate = mat(M.shared_gate);
         }
+        const DevMatView* sg = D.has_shared ? &D.shared_gate.v : nullptr;
+        if (router_fold_ok(D.router.v, sg, c.hidden_size)) {
+          RouterFold& f = D.fold;
+          f.n = D.router.v.rows + (sg ? 1 : 0);
+          f.ld = router_fold_ld(D.router.v, sg);
+          f.gshift = __builtin_ctz(static_cast<unsigned>(D.router.v.chunks_per_group *
+                                                         floats_per_chunk(D.router.v.fmt)));
+          f.sb_f16 = D.router.v.sb_f16;
+          D.fold_q.alloc(size_t(c.hidden_size) * f.ld);
+          D.fold_sb.alloc(size_t(D.router.v.groups) * f.ld * 4);
+          D.fold_acc.alloc(size_t(f.ld) * 8);
+          LILY_CUDA(cudaMemset(D.fold_acc.get(), 0, D.fold_acc.bytes()));
+          build_router_fold(D.router.v, sg, D.fold_q.as<uint32_t>(), D.fold_sb.as<uint32_t>(), nullptr);
+          f.q = D.fold_q.as<uint32_t>();
+          f.sb = D.fold_sb.as<uint32_t>();
+          f.g = D.post_norm.as<float>();
+          f.acc = D.fold_acc.as<unsigned long long>();
+        }
       }
     }
     LILY_CUDA(cudaDeviceSynchronize());
@@ -458,8 +481,17 @@ struct CudaBackend::Impl {
 
     for (int l = 0; l < c.num_layers; ++l) {
       LayerDev& L = layers[l];
+      // The router folded into the out_proj (LILY_CUDA_ROUTER_FOLD=0: its
+      // own launch, an A/B switch): the layer's first launch zeroes the
+      // accumulator, the out_proj adds to it, gate_up routes from it.
+      const bool fold = L.is_moe && L.fold.acc && opt.router_fold;
+      const double fold_bytes = fold ? double(L.fold_q.bytes() + L.fold_sb.bytes()) : 0.0;
       MatvecParams in = norm_in;
       in.norm_w = L.input_norm.as<float>();
+      if (fold) {
+        in.zero_acc = L.fold.acc;
+        in.zero_n = L.fold.n;
+      }
       if (L.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
         add_matvec(steps, "deltanet.in_proj",
@@ -490,7 +522,10 @@ struct CudaBackend::Impl {
         o.gate_z_early = 1;  // z comes from the in_proj, two launches back
         o.eps = c.rms_norm_eps;
         o.epi = Epilogue::Add;
+        o.out_early = 1;  // x last written by the previous layer's last launch
+        if (fold) o.fold = L.fold;
         add_matvec(steps, "deltanet.out_proj", {{&L.out, X}}, o);
+        steps.back().bytes_fixed += fold_bytes;
       } else {
         const int qdim = c.num_heads * c.head_dim * (c.attn_output_gate ? 2 : 1);
         const int kvdim = c.num_kv_heads * c.head_dim;
@@ -525,7 +560,10 @@ struct CudaBackend::Impl {
         MatvecParams o;
         o.x = attn_out.as<float>();
         o.epi = Epilogue::Add;
+        o.out_early = 1;  // x last written by the previous layer's last launch
+        if (fold) o.fold = L.fold;
         add_matvec(steps, "attn.o_proj", {{&L.o, X}}, o);
+        steps.back().bytes_fixed += fold_bytes;
       }
 
       MatvecParams post = norm_in;
@@ -537,6 +575,7 @@ struct CudaBackend::Impl {
         MatvecParams dn;
         dn.x = mlp_h.as<float>();
         dn.epi = Epilogue::Add;
+        dn.out_early = 1;  // x last written by the o_proj / out_proj, two launches back
         add_matvec(steps, "mlp.down", {{&L.mlp_down, X}}, dn);
         continue;
       }
@@ -547,17 +586,27 @@ struct CudaBackend::Impl {
       float* Hb = moe_h.as<float>();
       // Router logits (+ the shared-expert gate logit); gate_up routes in its
       // prologue (softmax, top-k, weights to sel_idx / sel_w for down).
-      std::vector<JobSpec> rj = {{&L.router, R}};
-      if (L.has_shared) rj.push_back({&L.shared_gate, R + E});
-      add_matvec(steps, "moe.router", rj, post);
+      if (!fold) {
+        std::vector<JobSpec> rj = {{&L.router, R}};
+        if (L.has_shared) rj.push_back({&L.shared_gate, R + E});
+        add_matvec(steps, "moe.router", rj, post);
+      }
 
       MatvecParams gu = post;
       gu.epi = Epilogue::SwiGLU;
-      gu.route.logits = R;
+      if (fold) {
+        gu.route.acc = L.fold.acc;
+        gu.route.acc_shared = L.has_shared ? 1 : 0;
+        gu.route.h = X;
+        gu.route.h_n = H;
+        gu.route.eps = c.rms_norm_eps;
+      } else {
+        gu.route.logits = R;
+        gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;
+      }
       gu.route.experts = E;
       gu.route.k = k;
       gu.route.norm_topk = c.norm_topk_prob ? 1 : 0;
-      gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;
       gu.route.sel_idx = sidx;
       gu.route.sel_w = sw;
       std::vector<JobSpec> gj;
@@ -595,6 +644,9 @@ struct CudaBackend::Impl {
         p.rows = H;
         p.njobs = static_cast<int>(g.size());
         p.out = X;
+        // x last written by the out_proj (two or more launches back); a
+        // second down launch adds to the first's.
+        p.out_early = &g == &dgroups.front() ? 1 : 0;
         double bytes = 0;
         for (size_t i = 0; i < g.size(); ++i) {
           p.jobs[i] = g[i].second;

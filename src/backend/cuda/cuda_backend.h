@@ -32,9 +32,11 @@ struct CudaOptions {
   uint64_t seed = 1;     // synthetic weights
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
   int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
+  bool router_fold = true;  // MoE router logits summed in the out_proj epilogue (no router launch)
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16, LILY_CUDA_PDL=0|1,
-// LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n.
+// LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
+// LILY_CUDA_ROUTER_FOLD=0|1.
 CudaOptions options_from_env();
 
 struct KernelTiming {

@@ -138,7 +138,49 @@ struct RouteSpec {
   const float* shared_gate_logit = nullptr;  // null: no shared expert
   int* sel_idx = nullptr;                    // [k]
   float* sel_w = nullptr;                    // [k] (+1: shared gate)
+  // Folded router (see RouterFold): the logits come as fixed-point sums of
+  // W (g h) over the previous launch's blocks, unnormalised; acc non-null
+  // replaces logits (which must then be null). acc[experts] is the shared
+  // gate's when acc_shared. Block 0 takes 1 / rms(h) from h (h_n floats,
+  // eps as the norm's) for the probabilities; the top k need no scale.
+  const unsigned long long* acc = nullptr;
+  int acc_shared = 0;
+  const float* h = nullptr;
+  int h_n = 0;
+  float eps = 1e-6f;
+  __host__ __device__ bool on() const { return logits != nullptr || acc != nullptr; }
 };
+
+// The MoE router folded into the launch that writes its input (the out_proj
+// / o_proj residual add): router logits are W rmsnorm(h) = (W (g h)) / rms(h)
+// with g the post-attention norm weights, so each block of the launch that
+// produces rows j of h adds W[:, j] g_j h_j over its rows to the E (+1:
+// shared gate) outputs, and gate_up's route prologue divides by rms(h) (the
+// top k are the same without it). The partial sums go in as 64-bit fixed
+// point (2^32 units) through integer atomics: exact and order-independent,
+// so the result is deterministic. The router is stored transposed for it:
+// codes one byte per (input j, output e), q[j][ld] (ld: the outputs padded
+// to 16), and the affine groups' scale/bias words sb[j >> gshift][ld] (q4
+// and q8 alike, groups of at least 16; float routers are not folded).
+// The layer's first launch zeroes acc (MatvecParams::zero_acc) before the
+// step's adds.
+constexpr int kFoldMaxOut = 384;           // E + 1 <= this (three code words per lane)
+constexpr float kFoldUnit = 4294967296.f;  // 2^32
+struct RouterFold {
+  const uint32_t* q = nullptr;  // [rows of the launch][ld / 4] code words
+  const uint32_t* sb = nullptr;
+  const float* g = nullptr;     // [rows]: the norm weights applied to h
+  unsigned long long* acc = nullptr;  // [n]
+  int n = 0, ld = 0, gshift = 0, sb_f16 = 0;
+};
+// Whether a router (and shared gate, may be null) can be folded for inputs
+// of width h; the transposed layout's row stride (outputs, padded to 16).
+bool router_fold_ok(const DevMatView& router, const DevMatView* shared_gate, int h);
+int router_fold_ld(const DevMatView& router, const DevMatView* shared_gate);
+// Writes the transposed codes q ([cols][ld] bytes) and scale/bias words
+// ([cols / group][ld]) of the router rows (+ the shared gate at row E).
+void build_router_fold(const DevMatView& router, const DevMatView* shared_gate, uint32_t* q, uint32_t* sb,
+                       cudaStream_t s);
 
 struct MatvecParams {
   QFmt fmt = QFmt::F32;
@@ -162,6 +204,17 @@ struct MatvecParams {
   // gate_z was written before the previous kernel started (by the launch
   // two back), so the gated prologue may read it before griddepcontrol.wait.
   int gate_z_early = 0;
+  // The router fold on this launch's rows (Epilogue::Add, one job).
+  RouterFold fold;
+  // zero_n fold sums zeroed by block 0 before the wait: a later launch's
+  // (RouterFold::acc). Their last reader, the previous step's gate_up,
+  // finished before this launch could start.
+  unsigned long long* zero_acc = nullptr;
+  int zero_n = 0;
+  // The Add epilogue's rows were last written two or more launches back
+  // (final before this launch could start): the first tile's are read
+  // before the wait.
+  int out_early = 0;
   TraceSpec trace;  // set by the launch function
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
@@ -183,6 +236,7 @@ struct MoeDownParams {
   int njobs = 0;
   MoeDownJob jobs[kMaxJobs];
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
+  int out_early = 0;     // out last written two or more launches back (see MatvecParams)
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
   int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
   int spec_ids = 1;      // set by launch_moe_down: expert ids read before the wait (2: wrongly, a test)

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill_common.cuh"
 
 namespace lily::cuda {
 
@@ -234,9 +235,12 @@ __device__ __forceinline__ void stage_regs_load(const MatvecParams& p, int t, in
   }
 }
 
+// The named barrier where a route launch's staging hands its sums of x^2
+// to the routing warp (route_warp).
+constexpr int kRouteRmsBar = 2;
 template <QFmt F>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
-                                           int n, int bar_id, float* red, StageRegs& sr) {
+                                           int n, int bar_id, float* red, StageRegs& sr, bool arrive = false) {
   using CF = ChunkFmt<F>;
   const int lane = t & 31, w = t >> 5, nwarps = n >> 5;
   const int n4 = p.cols / 4, NP = p.chunks * CF::PPC;
@@ -266,6 +270,8 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
     ss = warp_sum(ss);
     if (lane == 0) red[w] = ss;
+    // The routing warp waits for these sums there (see route_warp).
+    if (arrive) asm volatile("bar.arrive %0, %1;" ::"n"(kRouteRmsBar), "r"(n + 32) : "memory");
     named_bar(bar_id, n);
     float tot = 0.f;
     for (int i = 0; i < nwarps; ++i) tot += red[i];
@@ -321,12 +327,41 @@ __device__ __forceinline__ unsigned order_key(float f) {
 __device__ __forceinline__ float key_float(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
-template <int V>
-__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const TraceSpec& tr) {
+// red / nred (the one-pass staging, folded router): the staging warps'
+// sums of h^2, ready at named barrier kRouteRmsBar (the staging threads
+// arrive there, stage_fast); every block's routing warp meets it after its
+// top k, block 0 takes 1 / rms(h) from them exactly as the staging does.
+// Without them, block 0 reads h itself.
+// issue(): called by the whole warp once the selection is in s_idx (the
+// warp's own first routed loads go out before the weights are worked out).
+template <int V, typename Issue>
+__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const TraceSpec& tr, const float* red,
+                                           int nred, Issue issue) {
   const int lane = threadIdx.x & 31, E = r.experts, k = r.k;
-  const float g = r.shared_gate_logit ? __ldcg(r.shared_gate_logit) : 0.f;
-  float v[V];
-  if (E == 32 * V && reinterpret_cast<uintptr_t>(r.logits) % 16 == 0) {
+  // Only block 0 writes the weights (for the down projection); the others
+  // need the selection alone.
+  const bool weights = blockIdx.x == 0;
+  float v[V], g = 0.f;
+  if (r.acc) {
+    // Folded router: fixed-point sums (unnormalised logits).
+    constexpr float kInv = 1.f / kFoldUnit;
+    if (E == 32 * V && reinterpret_cast<uintptr_t>(r.acc) % 16 == 0) {
+      const ulonglong2* a2 = reinterpret_cast<const ulonglong2*>(r.acc) + lane * (V / 2);
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        const ulonglong2 t = __ldcg(a2 + i);
+        v[2 * i] = __ll2float_rn(static_cast<long long>(t.x)) * kInv;
+        v[2 * i + 1] = __ll2float_rn(static_cast<long long>(t.y)) * kInv;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const int e = lane * V + i;
+        v[i] = e < E ? __ll2float_rn(static_cast<long long>(__ldcg(r.acc + e))) * kInv : -INFINITY;
+      }
+    }
+    if (weights && r.acc_shared) g = __ll2float_rn(static_cast<long long>(__ldcg(r.acc + E))) * kInv;
+  } else if (E == 32 * V && reinterpret_cast<uintptr_t>(r.logits) % 16 == 0) {
     const float4* l4 = reinterpret_cast<const float4*>(r.logits) + lane * (V / 4);
 #pragma unroll
     for (int i = 0; i < V / 4; ++i) {
@@ -343,6 +378,7 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const
       v[i] = e < E ? __ldcg(r.logits + e) : -INFINITY;
     }
   }
+  if (!r.acc && r.shared_gate_logit && weights) g = __ldcg(r.shared_gate_logit);
   // Each lane sorts its V (key, slot) pairs, descending key and ascending
   // slot for equal keys (odd-even transposition: stable).
   unsigned key[V];
@@ -378,11 +414,6 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const
     const unsigned ball = __ballot_sync(0xffffffffu, key[0] == m);
     const int wl = __ffs(ball) - 1;
     const int wi = __shfl_sync(0xffffffffu, id[0], wl);
-    if (j == 0) {
-      mx = key_float(m);
-#pragma unroll
-      for (int i = 0; i < V; ++i) sum += lane * V + i < E ? expf(v[i] - mx) : 0.f;
-    }
     if (lane == j) {
       my_e = wl * V + wi;
       my_key = m;
@@ -401,21 +432,44 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const
   } else {
     for (int j = 0; j < k; ++j) round(j);
   }
-  sum = warp_sum(sum);
+  if (lane < k) s_idx[lane] = my_e;
   if (tr.recs) {
-    asm volatile("" ::"r"(my_e), "r"(my_key), "f"(sum));
+    asm volatile("" ::"r"(my_e), "r"(my_key));
     trace_clock(tr, 6);  // top k chosen
   }
-  const float my_p = lane < k ? expf(key_float(my_key) - mx) / sum : 0.f;
-  const float top = warp_sum(my_p);
-  const float w = r.norm_topk ? my_p / top : my_p;
-  if (lane < k) s_idx[lane] = my_e;
-  if (blockIdx.x == 0) {  // for the down projection
+  __syncwarp();
+  issue();
+  float inv_r = 1.f;  // the folded logits' 1 / rms(h)
+  if (r.acc && red) named_bar(kRouteRmsBar, blockDim.x);
+  if (weights) {  // for the down projection
+    if (r.acc) {
+      float ss = 0.f;
+      if (red) {
+        for (int i = 0; i < nred; ++i) ss += red[i];
+      } else {
+        const int n4 = r.h_n >> 2;
+        for (int i = lane; i < n4; i += 32) {
+          const float4 t = __ldcg(reinterpret_cast<const float4*>(r.h) + i);
+          ss = fmaf(t.x, t.x, fmaf(t.y, t.y, fmaf(t.z, t.z, fmaf(t.w, t.w, ss))));
+        }
+        for (int i = 4 * n4 + lane; i < r.h_n; i += 32) ss = fmaf(__ldcg(r.h + i), __ldcg(r.h + i), ss);
+        ss = warp_sum(ss);
+      }
+      inv_r = 1.f / sqrtf(ss / static_cast<float>(r.h_n) + r.eps);
+      g *= inv_r;
+    }
+    mx = key_float(__shfl_sync(0xffffffffu, my_key, 0));  // slot 0 holds the maximum
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum += lane * V + i < E ? expf((v[i] - mx) * inv_r) : 0.f;
+    sum = warp_sum(sum);
+    const float my_p = lane < k ? expf((key_float(my_key) - mx) * inv_r) / sum : 0.f;
+    const float top = warp_sum(my_p);
+    const float w = r.norm_topk ? my_p / top : my_p;
     if (lane < k) {
       r.sel_idx[lane] = my_e;
       r.sel_w[lane] = w;
     }
-    if (r.shared_gate_logit && lane == k) r.sel_w[k] = sigmoid(g);
+    if ((r.acc ? r.acc_shared : r.shared_gate_logit != nullptr) && lane == k) r.sel_w[k] = sigmoid(g);
   }
 }
 
@@ -554,9 +608,45 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
   }
 }
 
+// The router fold (RouterFold). A fold launch runs one tile per block, so a
+// block's 16 rows sit in one scale group g (groups are at least 16 wide):
+// its part of output e is s[e][g] D_e + b[e][g] Y with D_e = sum q[e][r] y_r
+// and Y = sum y_r over the rows, y_r = g_r h_r. Lane l of a warp holds the
+// code words l + 32 i (outputs 4 (l + 32 i) .. + 3) of the warp's two rows,
+// loaded before the wait, and takes the warp's D in the epilogue; thread t
+// holds the scale/bias words of outputs t and t + 256 and finishes them.
+constexpr int kFoldWords = kFoldMaxOut / 128;
+constexpr int kFoldPerThread = (kFoldMaxOut + kMatvecThreads - 1) / kMatvecThreads;
+struct FoldRegs {
+  uint32_t q0[kFoldWords], q1[kFoldWords];
+  uint32_t sb[kFoldPerThread];
+  float g0, g1;
+};
+__device__ __forceinline__ void fold_load(const RouterFold& f, const TileRows& tr, int lane, int block_row0,
+                                          FoldRegs& fr) {
+  const int ldw = f.ld >> 2;
+  const uint32_t* q0 = f.q + size_t(tr.valid ? tr.r0 : 0) * ldw;
+  const uint32_t* q1 = tr.has_b ? q0 + ldw : q0;
+#pragma unroll
+  for (int i = 0; i < kFoldWords; ++i) {
+    const int w = lane + 32 * i;
+    const bool ok = tr.valid && w < ldw;
+    fr.q0[i] = ok ? __ldg(q0 + w) : 0u;
+    fr.q1[i] = ok ? __ldg(q1 + w) : 0u;
+  }
+  fr.g0 = tr.valid ? __ldg(f.g + tr.r0) : 0.f;
+  fr.g1 = tr.has_b ? __ldg(f.g + tr.r0 + 1) : 0.f;
+  const uint32_t* sb = f.sb + size_t(block_row0 >> f.gshift) * f.ld;
+#pragma unroll
+  for (int u = 0; u < kFoldPerThread; ++u) {
+    const int e = threadIdx.x + kMatvecThreads * u;
+    fr.sb[u] = e < f.n ? __ldg(sb + e) : 0u;
+  }
+}
+
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
-template <QFmt F, bool Route, bool Fast>
+template <QFmt F, bool Route, bool Fast, bool Fold = false>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -597,6 +687,20 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     tr_cur = tile_rows_pre<CF::affine>(p, t_begin, warp);
     if (!first_routed) load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
   }
+  // The router fold's codes and scales (constants: before the wait).
+  FoldRegs fr;
+  float fy0 = 0.f, fy1 = 0.f;
+  if constexpr (Fold) {
+    if (nq > 0) fold_load(p.fold, tr_cur, lane, t_begin * kRowsPerTile, fr);
+  }
+  // The first tile's residual rows (Add), when final before this launch
+  // started: lanes 0 and 16 hold the warp's two.
+  float early_out = 0.f;
+  if (p.out_early && p.epi == Epilogue::Add && nq > 0 && tr_cur.valid && (lane & 15) == 0 &&
+      (lane == 0 || tr_cur.has_b))
+    early_out = __ldcg(tr_cur.out + tr_cur.r0 + (lane >> 4));
+  if (p.zero_acc && blockIdx.x == 0)
+    for (int i = tid; i < p.zero_n; i += blockDim.x) p.zero_acc[i] = 0ull;
   // And the block's second tile into L2 (not a routed one: measured, that
   // costs more than it saves once the expert is known).
   if (p.l2_prefetch && t_begin + 1 < t_end) {
@@ -623,35 +727,41 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
   // x is loaded while warp 0 routes; the routed tiles' loads go out as soon
-  // as the selection is in shared memory, before the rest of the staging.
-  float ss = 0.f;
-  if constexpr (Fast) {
-    if (Route && warp == 0) {
-      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace);
-      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace);
-    } else {
-      stage_fast<F>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr);
-    }
-    trace_clock(p.trace, 4);
-    __syncthreads();
+  // as the selection is in shared memory, before the rest of the staging
+  // (warp 0's own straight after its selection, before block 0 works out
+  // the weights).
+  auto issue_first = [&]() {
     if (Route && first_routed) {
       tile_route<CF::affine>(p, tr_cur, s_sel_idx);
       load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
     }
+  };
+  float ss = 0.f;
+  if constexpr (Fast) {
+    // A folded router's RMS comes from the staging's sums (Norm prologue).
+    const bool rms_red = Route && p.route.acc && p.pro == Prologue::Norm;
+    if (Route && warp == 0) {
+      const float* red = rms_red ? s_red : nullptr;
+      const int nred = (blockDim.x - st0) >> 5;
+      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace, red, nred, issue_first);
+      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace, red, nred, issue_first);
+    } else {
+      stage_fast<F>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
+    }
+    trace_clock(p.trace, 4);
+    __syncthreads();
+    if (Route && warp != 0) issue_first();
   } else if constexpr (Route) {
     if (warp == 0) {
-      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace);
-      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace);
+      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace, nullptr, 0, issue_first);
+      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace, nullptr, 0, issue_first);
       trace_clock(p.trace, 4);
       ss = 0.f;
     } else {
       ss = stage_load(p, smem + L.raw, tid - 32, blockDim.x - 32);
     }
     __syncthreads();
-    if (first_routed) {
-      tile_route<CF::affine>(p, tr_cur, s_sel_idx);
-      load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
-    }
+    if (warp != 0) issue_first();
   } else {
     ss = stage_load(p, smem + L.raw, tid, blockDim.x);
     trace_clock(p.trace, 4);
@@ -685,12 +795,19 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       if (p.epi == Epilogue::SwiGLU) {
         const float up = __shfl_sync(0xffffffffu, v, 16);
         if (lane == 0) tr_cur.out[r >> 1] = silu(v) * up;
-      } else if ((lane & 15) == 0 && (!upper || tr_cur.has_b)) {
-        if (p.epi == Epilogue::Store) tr_cur.out[r] = v;
-        else tr_cur.out[r] += v;
-        if (p.argmax && (v > best_v || (v == best_v && r < best_i))) {
-          best_v = v;
-          best_i = r;
+      } else {
+        float hn = 0.f;  // the stored value (Fold: h after the residual add)
+        if ((lane & 15) == 0 && (!upper || tr_cur.has_b)) {
+          if (p.epi == Epilogue::Store) tr_cur.out[r] = v;
+          else tr_cur.out[r] = hn = (p.out_early && tl == 0 ? early_out : tr_cur.out[r]) + v;
+          if (p.argmax && (v > best_v || (v == best_v && r < best_i))) {
+            best_v = v;
+            best_i = r;
+          }
+        }
+        if constexpr (Fold) {  // the warp's y (one tile per block: D after the loop)
+          fy0 = __shfl_sync(0xffffffffu, hn, 0) * fr.g0;
+          fy1 = __shfl_sync(0xffffffffu, hn, 16) * fr.g1;
         }
       }
     }
@@ -702,6 +819,42 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     tr_cur = tr_nxt;
     tl = tl1;
     k = k1;
+  }
+
+  if constexpr (Fold) {
+    // The warps' D and Y through the staging memory (free once every warp
+    // has left the loop), summed in warp order; then one fixed-point atomic
+    // add per output (integer adds: the result does not depend on the
+    // blocks' order).
+    if (nq > 0) {
+      const int ld = p.fold.ld, nw = kMatvecThreads / 32;
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kFoldWords; ++i) {
+        const int e = 4 * (lane + 32 * i);
+        float d[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) d[b] = fmaf(byte_f(fr.q0[i], 0x7650 + b), fy0, byte_f(fr.q1[i], 0x7650 + b) * fy1);
+        if (e < ld) *reinterpret_cast<float4*>(smem + warp * ld + e) = make_float4(d[0], d[1], d[2], d[3]);
+      }
+      if (lane == 0) smem[nw * ld + warp] = fy0 + fy1;
+      __syncthreads();
+      float y = 0.f;
+#pragma unroll
+      for (int w = 0; w < nw; ++w) y += smem[nw * ld + w];
+#pragma unroll
+      for (int u = 0; u < kFoldPerThread; ++u) {
+        const int e = tid + kMatvecThreads * u;
+        if (e < p.fold.n) {
+          float d = 0.f;
+#pragma unroll
+          for (int w = 0; w < nw; ++w) d += smem[w * ld + e];
+          const float2 sc = decode_sb(fr.sb[u], p.fold.sb_f16);
+          const long long q = __float2ll_rn(fmaf(sc.x, d, sc.y * y) * kFoldUnit);
+          if (q) atomicAdd(p.fold.acc + e, static_cast<unsigned long long>(q));
+        }
+      }
+    }
   }
 
   if (p.argmax) {
@@ -742,6 +895,11 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_con
 template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
   matvec_body<F, Route, false>(p);
+}
+// With the router fold (RouterFold) in the epilogue.
+template <QFmt F, bool Fast>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_fold_kernel(const __grid_constant__ MatvecParams p) {
+  matvec_body<F, false, Fast, true>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. p.split warps (1, 2 or 4) own two
@@ -832,6 +990,13 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 #pragma unroll
   for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
   if (nq > 0 && p.spec_ids) load(0, 0, wc, sc);
+  // The first tile's residual rows, when final before this launch started.
+  float eo[2] = {0.f, 0.f};
+  if (p.out_early && nq > 0 && sub == 0 && lane == 0) {
+    const int r0 = t_begin * TR + pair * 2;
+    if (r0 < p.rows) eo[0] = __ldcg(p.out + r0);
+    if (r0 + 1 < p.rows) eo[1] = __ldcg(p.out + r0 + 1);
+  }
 
   pdl_wait();
   pdl_launch_dependents();
@@ -939,10 +1104,11 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
     if (k == niter - 1) {  // the same step in every warp of the block
       acc[0] = warp_sum(acc[0]);
       acc[1] = warp_sum(acc[1]);
+      const bool early = p.out_early && tl == 0;
       if (W == 1) {
         if (lane == 0 && r0 < p.rows) {
-          p.out[r0] += acc[0];
-          if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
+          p.out[r0] = (early ? eo[0] : p.out[r0]) + acc[0];
+          if (r0 + 1 < p.rows) p.out[r0 + 1] = (early ? eo[1] : p.out[r0 + 1]) + acc[1];
         }
       } else {
         // The row pair's W partial sums, added in sub order.
@@ -957,8 +1123,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
             t0 += s_part[warp + j][0];
             t1 += s_part[warp + j][1];
           }
-          p.out[r0] += t0;
-          if (r0 + 1 < p.rows) p.out[r0 + 1] += t1;
+          p.out[r0] = (early ? eo[0] : p.out[r0]) + t0;
+          if (r0 + 1 < p.rows) p.out[r0 + 1] = (early ? eo[1] : p.out[r0 + 1]) + t1;
         }
         __syncthreads();
       }
@@ -985,8 +1151,8 @@ int max_blocks_per_sm(Kernel k, size_t smem) {
 }
 
 template <typename Kernel>
-void allow_big_smem(Kernel k) {
-  LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+void allow_big_smem(Kernel k, int bytes = 200 * 1024) {
+  LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 // LILY_CUDA_MV_MINBLOCKS=3 selects the register-capped matvec (A/B switch).
@@ -1002,7 +1168,10 @@ template <typename Kernel>
 void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_t s, bool pdl) {
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
   const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(fmt), p.cols, nseg);
-  const size_t smem = size_t(L.total) * 4;
+  // A fold launch reuses the staging memory for its block sums (8 warps x
+  // ld, + 8).
+  const int fold_floats = p.fold.acc ? (kMatvecThreads / 32) * (p.fold.ld + 1) : 0;
+  const size_t smem = size_t(std::max(L.total, fold_floats)) * 4;
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
@@ -1014,13 +1183,17 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   MatvecParams q = p;
   q.balanced = balanced ? 1 : 0;
   q.l2_prefetch = env_switch("LILY_CUDA_L2PF", 0);
+  if (!env_switch("LILY_CUDA_OUT_EARLY", 1)) q.out_early = 0;  // an A/B switch
   q.trace = next_trace();
   // LILY_TRACE_STAGING=1: a route launch's sub-steps from a staging warp
   // (the first x piece, the norm scales, the staging done) instead of the
   // routing warp (a trace diagnostic).
-  if (p.route.logits && env_switch("LILY_TRACE_STAGING", 0)) q.trace.clock_thread = 32;
+  if (p.route.on() && env_switch("LILY_TRACE_STAGING", 0)) q.trace.clock_thread = 32;
   int grid = std::min(tiles, max_grid);
-  if (!balanced) {
+  if (p.fold.acc) {
+    grid = tiles;  // one tile per block (the fold's scale group per block)
+    q.balanced = 1;
+  } else if (!balanced) {
     const int per_block = (tiles + max_grid - 1) / max_grid;
     grid = (tiles + per_block - 1) / per_block;
   }
@@ -1044,13 +1217,26 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
                        (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
   const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
                     fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
+  if constexpr (!Route) {
+    if (p.fold.acc) {
+      static bool init_fold = [] {
+        allow_big_smem(matvec_fold_kernel<F, false>);
+        allow_big_smem(matvec_fold_kernel<F, true>);
+        return true;
+      }();
+      (void)init_fold;
+      if (fast) launch_matvec_k(matvec_fold_kernel<F, true>, F, p, s, pdl);
+      else launch_matvec_k(matvec_fold_kernel<F, false>, F, p, s, pdl);
+      return;
+    }
+  }
   if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
   else if (fast) launch_matvec_k(matvec_kernel<F, Route, true>, F, p, s, pdl);
   else launch_matvec_k(matvec_kernel<F, Route, false>, F, p, s, pdl);
 }
 template <QFmt F>
 void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
-  if (p.route.logits) launch_matvec_r<F, true>(p, s, pdl);
+  if (p.route.on()) launch_matvec_r<F, true>(p, s, pdl);
   else launch_matvec_r<F, false>(p, s, pdl);
 }
 
@@ -1068,6 +1254,7 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
   // the speculative read made wrong, so the tests cover the reissue).
   if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
+  if (!env_switch("LILY_CUDA_OUT_EARLY", 1)) q.out_early = 0;  // an A/B switch
   // Warps per row pair and items per lane per step: one step per warp where
   // it fits (up to 96 items per warp), so a warp's loads all go out at once;
   // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
@@ -1096,6 +1283,53 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
 
 }  // namespace
 
+namespace {
+int fold_group_size(const DevMatView& m) { return m.chunks_per_group * floats_per_chunk(m.fmt); }
+
+__global__ void build_router_fold_kernel(DevMatView r, DevMatView sg, int has_sg, int n, int ld, int gshift,
+                                         uint8_t* q, uint32_t* sb) {
+  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  if (i >= static_cast<long long>(r.cols) * ld) return;
+  const int j = static_cast<int>(i / ld), e = static_cast<int>(i % ld);
+  uint32_t code = 0, sbw = 0;
+  if (e < n) {
+    const bool shared = has_sg && e == n - 1;
+    const DevMatView& m = shared ? sg : r;
+    const int row = shared ? 0 : e;
+    const uint32_t* w32 = reinterpret_cast<const uint32_t*>(m.w) + size_t(row) * m.chunks * 4;
+    code = m.fmt == QFmt::Q4 ? (w32[j >> 3] >> (4 * (j & 7))) & 15u : (w32[j >> 2] >> (8 * (j & 3))) & 255u;
+    sbw = m.sb[size_t(row) * m.groups + (j >> gshift)];
+  }
+  q[i] = static_cast<uint8_t>(code);
+  if ((j & ((1 << gshift) - 1)) == 0) sb[size_t(j >> gshift) * ld + e] = sbw;
+}
+}  // namespace
+
+bool router_fold_ok(const DevMatView& router, const DevMatView* sg, int h) {
+  auto affine = [](const DevMatView& m) { return m.fmt == QFmt::Q4 || m.fmt == QFmt::Q8; };
+  const int gs = fold_group_size(router);
+  if (!affine(router) || router.cols != h || router.rows < 1 || gs < kRowsPerTile || (gs & (gs - 1)) != 0 ||
+      router.groups != (h + gs - 1) / gs)
+    return false;
+  if (sg && (!affine(*sg) || sg->cols != h || sg->rows != 1 || fold_group_size(*sg) != gs ||
+             sg->groups != router.groups || sg->sb_f16 != router.sb_f16))
+    return false;
+  return router.rows + (sg ? 1 : 0) <= kFoldMaxOut;
+}
+
+int router_fold_ld(const DevMatView& router, const DevMatView* sg) { return (router.rows + (sg ? 1 : 0) + 15) & ~15; }
+
+void build_router_fold(const DevMatView& router, const DevMatView* sg, uint32_t* q, uint32_t* sb,
+                       cudaStream_t s) {
+  if (!router_fold_ok(router, sg, router.cols)) fail("router fold: this router's layout cannot be folded");
+  const int ld = router_fold_ld(router, sg), n = router.rows + (sg ? 1 : 0);
+  const int gshift = __builtin_ctz(static_cast<unsigned>(fold_group_size(router)));
+  const long long total = static_cast<long long>(router.cols) * ld;
+  build_router_fold_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, s>>>(
+      router, sg ? *sg : DevMatView{}, sg ? 1 : 0, n, ld, gshift, reinterpret_cast<uint8_t*>(q), sb);
+  LILY_CUDA(cudaGetLastError());
+}
+
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("matvec: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
@@ -1104,13 +1338,27 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("matvec: ", p.chunks_per_group, " chunks per group (a power of two)");
   const RouteSpec& r = p.route;
-  if (r.logits &&
+  if (r.on() &&
       (r.k < 1 || r.k > 31 || r.experts < r.k || r.experts > kMaxRouteExperts || !r.sel_idx || !r.sel_w))
     fail("matvec: route over ", r.experts, " experts, top ", r.k, " (1 <= k < 32, k <= experts <= ",
          kMaxRouteExperts, ", outputs set)");
+  if (r.logits && r.acc) fail("matvec: route from both logits and a folded router");
+  if (r.acc && (!r.h || r.h_n <= 0 || reinterpret_cast<uintptr_t>(r.h) % 16 != 0))
+    fail("matvec: a folded route needs its input h (16-byte aligned, h_n > 0)");
   for (int j = 0; j < p.njobs; ++j)
-    if (p.jobs[j].slot >= 0 && (!r.logits || p.jobs[j].slot >= r.k))
-      fail("matvec: job ", j, " takes routed slot ", p.jobs[j].slot, " of ", r.logits ? r.k : 0);
+    if (p.jobs[j].slot >= 0 && (!r.on() || p.jobs[j].slot >= r.k))
+      fail("matvec: job ", j, " takes routed slot ", p.jobs[j].slot, " of ", r.on() ? r.k : 0);
+  const RouterFold& f = p.fold;
+  if (f.acc) {
+    if (r.on() || p.epi != Epilogue::Add || p.njobs != 1 || p.jobs[0].slot >= 0)
+      fail("matvec: the router fold needs one unrouted job with the residual add");
+    if (!f.q || !f.sb || !f.g || f.n < 1 || f.n > f.ld || f.ld % 16 != 0 || f.ld > kFoldMaxOut ||
+        (1 << f.gshift) < kRowsPerTile || reinterpret_cast<uintptr_t>(f.q) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(f.sb) % 16 != 0)
+      fail("matvec: router fold over ", f.n, " outputs (stride ", f.ld, ", at most ", kFoldMaxOut,
+           ", group shift ", f.gshift, ") malformed");
+  }
+  if (p.zero_n < 0 || (p.zero_n > 0 && !p.zero_acc)) fail("matvec: ", p.zero_n, " words to zero without a buffer");
   switch (p.fmt) {
     case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
