@@ -198,9 +198,8 @@ TEST(CudaMatvec, AddAndSwiGlu) {
   }
   EXPECT_LT(rel_err(got, want), 2e-5);
 
-  // Add epilogue: out += W x; then again with the first tile's rows read
-  // before the wait (out_early), on 99 rows (a tile per block) and on 5,003
-  // (more tiles than an H200 holds blocks: later tiles read after it).
+  // Add epilogue: out += W x, on 99 rows and on 5,003 (more tiles than an
+  // H200 holds blocks); twice, the second adding to the first.
   for (int R : {99, 5003}) {
     SCOPED_TRACE("Add, rows " + std::to_string(R));
     auto m = random_matrix(WeightFormat::BF16, R, H, 0, DType::BF16, rng);
@@ -218,10 +217,9 @@ TEST(CudaMatvec, AddAndSwiGlu) {
     std::vector<float> y(R);
     for (int i = 0; i < R; ++i) y[i] = base[i] + wx[i];
     EXPECT_LT(rel_err(to_host<float>(dout, R), y), 2e-5);
-    q.out_early = 1;
     cuda::launch_matvec(q, nullptr, false);
     for (int i = 0; i < R; ++i) y[i] += wx[i];
-    EXPECT_LT(rel_err(to_host<float>(dout, R), y), 2e-5) << "out_early";
+    EXPECT_LT(rel_err(to_host<float>(dout, R), y), 2e-5) << "second add";
   }
 }
 
@@ -526,7 +524,6 @@ void moe_down_weighted_sum() {
   // (two or four warps per row pair: q4 144 items, bf16 576), each also
   // with LILY_CUDA_DOWN_SPLIT=0 (one warp per row pair throughout).
   const Shape shapes[] = {{6, 77, 192, 4}, {12, 77, 512, 9}};
-  int iter = 0;  // every other case reads the residual rows before the wait (out_early)
   for (const Shape& sh_ : shapes)
   for (const char* split : {"1", "0"})
   for (auto [f, sdt] : {std::pair{WeightFormat::Affine4, DType::BF16}, std::pair{WeightFormat::Affine4, DType::F16},
@@ -565,7 +562,6 @@ void moe_down_weighted_sum() {
       q.coef = dcoef.as<float>() + j;
     }
     p.out = dout.as<float>();
-    p.out_early = iter++ % 2;
     cuda::launch_moe_down(p, nullptr, false);
     std::vector<float> want = base;
     for (int j = 0; j < J; ++j) {
@@ -573,7 +569,7 @@ void moe_down_weighted_sum() {
       auto y = cpu_matvec(m, std::vector<float>(xs.begin() + j * I, xs.begin() + (j + 1) * I));
       for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
     }
-    EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f) << " out_early " << p.out_early;
+    EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
     unsetenv("LILY_CUDA_DOWN_SPLIT");
   }
 }

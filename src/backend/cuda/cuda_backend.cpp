@@ -522,7 +522,6 @@ struct CudaBackend::Impl {
         o.gate_z_early = 1;  // z comes from the in_proj, two launches back
         o.eps = c.rms_norm_eps;
         o.epi = Epilogue::Add;
-        o.out_early = 1;  // x last written by the previous layer's last launch
         if (fold) o.fold = L.fold;
         add_matvec(steps, "deltanet.out_proj", {{&L.out, X}}, o);
         steps.back().bytes_fixed += fold_bytes;
@@ -560,7 +559,6 @@ struct CudaBackend::Impl {
         MatvecParams o;
         o.x = attn_out.as<float>();
         o.epi = Epilogue::Add;
-        o.out_early = 1;  // x last written by the previous layer's last launch
         if (fold) o.fold = L.fold;
         add_matvec(steps, "attn.o_proj", {{&L.o, X}}, o);
         steps.back().bytes_fixed += fold_bytes;
@@ -575,7 +573,6 @@ struct CudaBackend::Impl {
         MatvecParams dn;
         dn.x = mlp_h.as<float>();
         dn.epi = Epilogue::Add;
-        dn.out_early = 1;  // x last written by the o_proj / out_proj, two launches back
         add_matvec(steps, "mlp.down", {{&L.mlp_down, X}}, dn);
         continue;
       }
@@ -644,9 +641,6 @@ struct CudaBackend::Impl {
         p.rows = H;
         p.njobs = static_cast<int>(g.size());
         p.out = X;
-        // x last written by the out_proj (two or more launches back); a
-        // second down launch adds to the first's.
-        p.out_early = &g == &dgroups.front() ? 1 : 0;
         double bytes = 0;
         for (size_t i = 0; i < g.size(); ++i) {
           p.jobs[i] = g[i].second;

@@ -211,10 +211,6 @@ struct MatvecParams {
   // finished before this launch could start.
   unsigned long long* zero_acc = nullptr;
   int zero_n = 0;
-  // The Add epilogue's rows were last written two or more launches back
-  // (final before this launch could start): the first tile's are read
-  // before the wait.
-  int out_early = 0;
   TraceSpec trace;  // set by the launch function
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
@@ -236,7 +232,6 @@ struct MoeDownParams {
   int njobs = 0;
   MoeDownJob jobs[kMaxJobs];
   float* out = nullptr;  // out[r] += sum_j coef_j * (W_j x_j)[r]
-  int out_early = 0;     // out last written two or more launches back (see MatvecParams)
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
   int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
   int spec_ids = 1;      // set by launch_moe_down: expert ids read before the wait (2: wrongly, a test)

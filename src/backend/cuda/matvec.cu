@@ -693,12 +693,6 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   if constexpr (Fold) {
     if (nq > 0) fold_load(p.fold, tr_cur, lane, t_begin * kRowsPerTile, fr);
   }
-  // The first tile's residual rows (Add), when final before this launch
-  // started: lanes 0 and 16 hold the warp's two.
-  float early_out = 0.f;
-  if (p.out_early && p.epi == Epilogue::Add && nq > 0 && tr_cur.valid && (lane & 15) == 0 &&
-      (lane == 0 || tr_cur.has_b))
-    early_out = __ldcg(tr_cur.out + tr_cur.r0 + (lane >> 4));
   if (p.zero_acc && blockIdx.x == 0)
     for (int i = tid; i < p.zero_n; i += blockDim.x) p.zero_acc[i] = 0ull;
   // And the block's second tile into L2 (not a routed one: measured, that
@@ -799,7 +793,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
         float hn = 0.f;  // the stored value (Fold: h after the residual add)
         if ((lane & 15) == 0 && (!upper || tr_cur.has_b)) {
           if (p.epi == Epilogue::Store) tr_cur.out[r] = v;
-          else tr_cur.out[r] = hn = (p.out_early && tl == 0 ? early_out : tr_cur.out[r]) + v;
+          else tr_cur.out[r] = hn = tr_cur.out[r] + v;
           if (p.argmax && (v > best_v || (v == best_v && r < best_i))) {
             best_v = v;
             best_i = r;
@@ -990,13 +984,6 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 #pragma unroll
   for (int u = 0; u < U; ++u) sc[u][0] = sc[u][1] = sn[u][0] = sn[u][1] = 0;
   if (nq > 0 && p.spec_ids) load(0, 0, wc, sc);
-  // The first tile's residual rows, when final before this launch started.
-  float eo[2] = {0.f, 0.f};
-  if (p.out_early && nq > 0 && sub == 0 && lane == 0) {
-    const int r0 = t_begin * TR + pair * 2;
-    if (r0 < p.rows) eo[0] = __ldcg(p.out + r0);
-    if (r0 + 1 < p.rows) eo[1] = __ldcg(p.out + r0 + 1);
-  }
 
   pdl_wait();
   pdl_launch_dependents();
@@ -1104,11 +1091,10 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
     if (k == niter - 1) {  // the same step in every warp of the block
       acc[0] = warp_sum(acc[0]);
       acc[1] = warp_sum(acc[1]);
-      const bool early = p.out_early && tl == 0;
       if (W == 1) {
         if (lane == 0 && r0 < p.rows) {
-          p.out[r0] = (early ? eo[0] : p.out[r0]) + acc[0];
-          if (r0 + 1 < p.rows) p.out[r0 + 1] = (early ? eo[1] : p.out[r0 + 1]) + acc[1];
+          p.out[r0] += acc[0];
+          if (r0 + 1 < p.rows) p.out[r0 + 1] += acc[1];
         }
       } else {
         // The row pair's W partial sums, added in sub order.
@@ -1123,8 +1109,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
             t0 += s_part[warp + j][0];
             t1 += s_part[warp + j][1];
           }
-          p.out[r0] = (early ? eo[0] : p.out[r0]) + t0;
-          if (r0 + 1 < p.rows) p.out[r0 + 1] = (early ? eo[1] : p.out[r0 + 1]) + t1;
+          p.out[r0] += t0;
+          if (r0 + 1 < p.rows) p.out[r0 + 1] += t1;
         }
         __syncthreads();
       }
@@ -1183,7 +1169,6 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   MatvecParams q = p;
   q.balanced = balanced ? 1 : 0;
   q.l2_prefetch = env_switch("LILY_CUDA_L2PF", 0);
-  if (!env_switch("LILY_CUDA_OUT_EARLY", 1)) q.out_early = 0;  // an A/B switch
   q.trace = next_trace();
   // LILY_TRACE_STAGING=1: a route launch's sub-steps from a staging warp
   // (the first x piece, the norm scales, the staging done) instead of the
@@ -1254,7 +1239,6 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
   // the speculative read made wrong, so the tests cover the reissue).
   if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
-  if (!env_switch("LILY_CUDA_OUT_EARLY", 1)) q.out_early = 0;  // an A/B switch
   // Warps per row pair and items per lane per step: one step per warp where
   // it fits (up to 96 items per warp), so a warp's loads all go out at once;
   // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
