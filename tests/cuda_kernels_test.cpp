@@ -53,6 +53,16 @@ std::vector<float> cpu_matvec(const Matrix& m, const std::vector<float>& x) {
   return y;
 }
 
+// One matrix's launch parameters: all its rows into out, from x.
+cuda::MatvecParams one_job(const cuda::DevMatView& v, float* out, const float* x) {
+  cuda::MatvecParams p;
+  cuda::set_layout(p, v);
+  p.njobs = 1;
+  p.jobs[0] = {v.w, v.sb, v.rows, -1, 0, 0, out};
+  p.x = x;
+  return p;
+}
+
 struct FormatCase {
   WeightFormat f;
   int group;
@@ -206,11 +216,7 @@ TEST(CudaMatvec, AddAndSwiGlu) {
     auto dm = cuda::upload_matrix(m.m, 2);
     const auto base = random_vec(R, rng);
     auto dout = to_device(base);
-    cuda::MatvecParams q;
-    cuda::set_layout(q, dm.v);
-    q.njobs = 1;
-    q.jobs[0] = {dm.v.w, dm.v.sb, R, -1, 0, 0, dout.as<float>()};
-    q.x = dx.as<float>();
+    cuda::MatvecParams q = one_job(dm.v, dout.as<float>(), dx.as<float>());
     q.epi = cuda::Epilogue::Add;
     cuda::launch_matvec(q, nullptr, false);
     const auto wx = cpu_matvec(m.m, x);
@@ -295,20 +301,13 @@ void routed_gate_up() {
       auto da = to_device(a);
       {
         auto scratch = poisoned(7);
-        cuda::MatvecParams z;
-        cuda::set_layout(z, dwo.v);
-        z.njobs = 1;
-        z.jobs[0] = {dwo.v.w, dwo.v.sb, 7, -1, 0, 0, scratch.as<float>()};
-        z.x = da.as<float>();
+        cuda::MatvecParams z = one_job(dwo.v, scratch.as<float>(), da.as<float>());
+        z.jobs[0].rows = 7;
         z.zero_acc = acc.as<unsigned long long>();
         z.zero_n = E + rc.shared;
         cuda::launch_matvec(z, nullptr, false);
       }
-      cuda::MatvecParams o;
-      cuda::set_layout(o, dwo.v);
-      o.njobs = 1;
-      o.jobs[0] = {dwo.v.w, dwo.v.sb, H, -1, 0, 0, dx.as<float>()};
-      o.x = da.as<float>();
+      cuda::MatvecParams o = one_job(dwo.v, dx.as<float>(), da.as<float>());
       o.epi = cuda::Epilogue::Add;
       o.fold.q = fold_q.as<uint32_t>();
       o.fold.sb = fold_sb.as<uint32_t>();
@@ -440,11 +439,7 @@ void check_lm_head_launch(int V, int H, DType sdt, bool norm, std::mt19937& rng)
   DeviceBuffer ctrl(sizeof h), counter(4);
   LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
   LILY_CUDA(cudaMemset(counter.get(), 0, 4));
-  cuda::MatvecParams p;
-  cuda::set_layout(p, dm.v);
-  p.njobs = 1;
-  p.jobs[0] = {dm.v.w, dm.v.sb, V, -1, 0, 0, out.as<float>()};
-  p.x = dx.as<float>();
+  cuda::MatvecParams p = one_job(dm.v, out.as<float>(), dx.as<float>());
   if (norm) {
     p.pro = cuda::Prologue::Norm;
     p.norm_w = dnw.as<float>();
