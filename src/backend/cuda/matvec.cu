@@ -15,7 +15,6 @@
 #include <string>
 
 #include "backend/cuda/device_common.cuh"
-#include "backend/cuda/prefill_common.cuh"
 
 namespace lily::cuda {
 
@@ -1137,8 +1136,8 @@ int max_blocks_per_sm(Kernel k, size_t smem) {
 }
 
 template <typename Kernel>
-void allow_big_smem(Kernel k, int bytes = 200 * 1024) {
-  LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+void allow_big_smem(Kernel k) {
+  LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
 }
 
 // LILY_CUDA_MV_MINBLOCKS=3 selects the register-capped matvec (A/B switch).
