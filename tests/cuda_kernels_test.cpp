@@ -288,7 +288,8 @@ void routed_gate_up() {
       // h = x + W_o a with the router fold, after a launch that zeroes acc.
       const cuda::DevMatView* psg = rc.shared ? &dsg.v : nullptr;
       ASSERT_TRUE(cuda::router_fold_ok(dr.v, psg, H));
-      const int ld = cuda::router_fold_ld(dr.v, psg);
+      const cuda::RouterFold shape = cuda::router_fold_shape(dr.v, psg);
+      const int ld = shape.ld;
       fold_q = DeviceBuffer(size_t(H) * ld);
       fold_sb = DeviceBuffer(size_t(dr.v.groups) * ld * 4);
       acc = DeviceBuffer(size_t(ld) * 8);
@@ -309,14 +310,11 @@ void routed_gate_up() {
       }
       cuda::MatvecParams o = one_job(dwo.v, dx.as<float>(), da.as<float>());
       o.epi = cuda::Epilogue::Add;
+      o.fold = shape;
       o.fold.q = fold_q.as<uint32_t>();
       o.fold.sb = fold_sb.as<uint32_t>();
       o.fold.g = dnw.as<float>();
       o.fold.acc = acc.as<unsigned long long>();
-      o.fold.n = E + rc.shared;
-      o.fold.ld = ld;
-      o.fold.gshift = 6;
-      o.fold.sb_f16 = dr.v.sb_f16;
       cuda::launch_matvec(o, nullptr, false);
       auto want_h = cpu_matvec(wo.m, a);
       for (int i = 0; i < H; ++i) want_h[i] += x[i];
@@ -359,8 +357,6 @@ void routed_gate_up() {
       g.route.shared_gate_logit = nullptr;
       g.route.acc = acc.as<unsigned long long>();
       g.route.acc_shared = rc.shared;
-      g.route.h = dx.as<float>();
-      g.route.h_n = H;
     }
     g.njobs = k + rc.shared;
     for (int j = 0; j < k; ++j)

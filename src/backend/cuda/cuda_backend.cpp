@@ -277,11 +277,7 @@ struct CudaBackend::Impl {
         const DevMatView* sg = D.has_shared ? &D.shared_gate.v : nullptr;
         if (router_fold_ok(D.router.v, sg, c.hidden_size)) {
           RouterFold& f = D.fold;
-          f.n = D.router.v.rows + (sg ? 1 : 0);
-          f.ld = router_fold_ld(D.router.v, sg);
-          f.gshift = __builtin_ctz(static_cast<unsigned>(D.router.v.chunks_per_group *
-                                                         floats_per_chunk(D.router.v.fmt)));
-          f.sb_f16 = D.router.v.sb_f16;
+          f = router_fold_shape(D.router.v, sg);
           D.fold_q.alloc(size_t(c.hidden_size) * f.ld);
           D.fold_sb.alloc(size_t(D.router.v.groups) * f.ld * 4);
           D.fold_acc.alloc(size_t(f.ld) * 8);
@@ -594,9 +590,6 @@ struct CudaBackend::Impl {
       if (fold) {
         gu.route.acc = L.fold.acc;
         gu.route.acc_shared = L.has_shared ? 1 : 0;
-        gu.route.h = X;
-        gu.route.h_n = H;
-        gu.route.eps = c.rms_norm_eps;
       } else {
         gu.route.logits = R;
         gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;

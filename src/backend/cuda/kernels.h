@@ -141,13 +141,11 @@ struct RouteSpec {
   // Folded router (see RouterFold): the logits come as fixed-point sums of
   // W (g h) over the previous launch's blocks, unnormalised; acc non-null
   // replaces logits (which must then be null). acc[experts] is the shared
-  // gate's when acc_shared. Block 0 takes 1 / rms(h) from h (h_n floats,
-  // eps as the norm's) for the probabilities; the top k need no scale.
+  // gate's when acc_shared. h is the launch's own input x: block 0 takes
+  // 1 / rms(x) (the staging's, with MatvecParams::eps) for the
+  // probabilities; the top k need no scale.
   const unsigned long long* acc = nullptr;
   int acc_shared = 0;
-  const float* h = nullptr;
-  int h_n = 0;
-  float eps = 1e-6f;
   __host__ __device__ bool on() const { return logits != nullptr || acc != nullptr; }
 };
 
@@ -174,11 +172,13 @@ struct RouterFold {
   int n = 0, ld = 0, gshift = 0, sb_f16 = 0;
 };
 // Whether a router (and shared gate, may be null) can be folded for inputs
-// of width h; the transposed layout's row stride (outputs, padded to 16).
+// of width h.
 bool router_fold_ok(const DevMatView& router, const DevMatView* shared_gate, int h);
-int router_fold_ld(const DevMatView& router, const DevMatView* shared_gate);
-// Writes the transposed codes q ([cols][ld] bytes) and scale/bias words
-// ([cols / group][ld]) of the router rows (+ the shared gate at row E).
+// The fold's layout (n, ld, gshift, sb_f16; no pointers) for a foldable
+// router; its buffers: q [cols][ld] bytes, sb [groups][ld] words, acc [ld].
+RouterFold router_fold_shape(const DevMatView& router, const DevMatView* shared_gate);
+// Writes the transposed codes q and scale/bias words sb (see
+// router_fold_shape) of the router rows (+ the shared gate at row E).
 void build_router_fold(const DevMatView& router, const DevMatView* shared_gate, uint32_t* q, uint32_t* sb,
                        cudaStream_t s);
 

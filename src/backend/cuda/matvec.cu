@@ -327,15 +327,17 @@ __device__ __forceinline__ float key_float(unsigned k) {
   return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 // red / nred (the one-pass staging, folded router): the staging warps'
-// sums of h^2, ready at named barrier kRouteRmsBar (the staging threads
+// sums of x^2, ready at named barrier kRouteRmsBar (the staging threads
 // arrive there, stage_fast); every block's routing warp meets it after its
-// top k, block 0 takes 1 / rms(h) from them exactly as the staging does.
-// Without them, block 0 reads h itself.
+// top k, block 0 takes 1 / rms(x) from them exactly as the staging does.
+// Without them, block 0 reads x itself.
 // issue(): called by the whole warp once the selection is in s_idx (the
 // warp's own first routed loads go out before the weights are worked out).
 template <int V, typename Issue>
-__device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const TraceSpec& tr, const float* red,
-                                           int nred, Issue issue) {
+__device__ __forceinline__ void route_warp(const MatvecParams& p, int* s_idx, const float* red, int nred,
+                                           Issue issue) {
+  const RouteSpec& r = p.route;
+  const TraceSpec& tr = p.trace;
   const int lane = threadIdx.x & 31, E = r.experts, k = r.k;
   // Only block 0 writes the weights (for the down projection); the others
   // need the selection alone.
@@ -446,15 +448,15 @@ __device__ __forceinline__ void route_warp(const RouteSpec& r, int* s_idx, const
       if (red) {
         for (int i = 0; i < nred; ++i) ss += red[i];
       } else {
-        const int n4 = r.h_n >> 2;
+        const int n4 = p.cols >> 2;
         for (int i = lane; i < n4; i += 32) {
-          const float4 t = __ldcg(reinterpret_cast<const float4*>(r.h) + i);
+          const float4 t = __ldcg(reinterpret_cast<const float4*>(p.x) + i);
           ss = fmaf(t.x, t.x, fmaf(t.y, t.y, fmaf(t.z, t.z, fmaf(t.w, t.w, ss))));
         }
-        for (int i = 4 * n4 + lane; i < r.h_n; i += 32) ss = fmaf(__ldcg(r.h + i), __ldcg(r.h + i), ss);
+        for (int i = 4 * n4 + lane; i < p.cols; i += 32) ss = fmaf(__ldcg(p.x + i), __ldcg(p.x + i), ss);
         ss = warp_sum(ss);
       }
-      inv_r = 1.f / sqrtf(ss / static_cast<float>(r.h_n) + r.eps);
+      inv_r = 1.f / sqrtf(ss / static_cast<float>(p.cols) + p.eps);
       g *= inv_r;
     }
     mx = key_float(__shfl_sync(0xffffffffu, my_key, 0));  // slot 0 holds the maximum
@@ -736,8 +738,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     if (Route && warp == 0) {
       const float* red = rms_red ? s_red : nullptr;
       const int nred = (blockDim.x - st0) >> 5;
-      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace, red, nred, issue_first);
-      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace, red, nred, issue_first);
+      if (p.route.experts <= 256) route_warp<8>(p, s_sel_idx, red, nred, issue_first);
+      else route_warp<kMaxRouteExperts / 32>(p, s_sel_idx, red, nred, issue_first);
     } else {
       stage_fast<F>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
     }
@@ -746,8 +748,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     if (Route && warp != 0) issue_first();
   } else if constexpr (Route) {
     if (warp == 0) {
-      if (p.route.experts <= 256) route_warp<8>(p.route, s_sel_idx, p.trace, nullptr, 0, issue_first);
-      else route_warp<kMaxRouteExperts / 32>(p.route, s_sel_idx, p.trace, nullptr, 0, issue_first);
+      if (p.route.experts <= 256) route_warp<8>(p, s_sel_idx, nullptr, 0, issue_first);
+      else route_warp<kMaxRouteExperts / 32>(p, s_sel_idx, nullptr, 0, issue_first);
       trace_clock(p.trace, 4);
       ss = 0.f;
     } else {
@@ -1300,16 +1302,22 @@ bool router_fold_ok(const DevMatView& router, const DevMatView* sg, int h) {
   return router.rows + (sg ? 1 : 0) <= kFoldMaxOut;
 }
 
-int router_fold_ld(const DevMatView& router, const DevMatView* sg) { return (router.rows + (sg ? 1 : 0) + 15) & ~15; }
+RouterFold router_fold_shape(const DevMatView& router, const DevMatView* sg) {
+  if (!router_fold_ok(router, sg, router.cols)) fail("router fold: this router's layout cannot be folded");
+  RouterFold f;
+  f.n = router.rows + (sg ? 1 : 0);
+  f.ld = (f.n + 15) & ~15;
+  f.gshift = __builtin_ctz(static_cast<unsigned>(fold_group_size(router)));
+  f.sb_f16 = router.sb_f16;
+  return f;
+}
 
 void build_router_fold(const DevMatView& router, const DevMatView* sg, uint32_t* q, uint32_t* sb,
                        cudaStream_t s) {
-  if (!router_fold_ok(router, sg, router.cols)) fail("router fold: this router's layout cannot be folded");
-  const int ld = router_fold_ld(router, sg), n = router.rows + (sg ? 1 : 0);
-  const int gshift = __builtin_ctz(static_cast<unsigned>(fold_group_size(router)));
-  const long long total = static_cast<long long>(router.cols) * ld;
+  const RouterFold f = router_fold_shape(router, sg);
+  const long long total = static_cast<long long>(router.cols) * f.ld;
   build_router_fold_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, s>>>(
-      router, sg ? *sg : DevMatView{}, sg ? 1 : 0, n, ld, gshift, reinterpret_cast<uint8_t*>(q), sb);
+      router, sg ? *sg : DevMatView{}, sg ? 1 : 0, f.n, f.ld, f.gshift, reinterpret_cast<uint8_t*>(q), sb);
   LILY_CUDA(cudaGetLastError());
 }
 
@@ -1326,8 +1334,7 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
     fail("matvec: route over ", r.experts, " experts, top ", r.k, " (1 <= k < 32, k <= experts <= ",
          kMaxRouteExperts, ", outputs set)");
   if (r.logits && r.acc) fail("matvec: route from both logits and a folded router");
-  if (r.acc && (!r.h || r.h_n <= 0 || reinterpret_cast<uintptr_t>(r.h) % 16 != 0))
-    fail("matvec: a folded route needs its input h (16-byte aligned, h_n > 0)");
+  if (r.acc && reinterpret_cast<uintptr_t>(p.x) % 16 != 0) fail("matvec: a folded route needs a 16-byte aligned x");
   for (int j = 0; j < p.njobs; ++j)
     if (p.jobs[j].slot >= 0 && (!r.on() || p.jobs[j].slot >= r.k))
       fail("matvec: job ", j, " takes routed slot ", p.jobs[j].slot, " of ", r.on() ? r.k : 0);
