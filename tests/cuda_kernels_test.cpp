@@ -157,6 +157,173 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
   with_both_stagings(every_format_and_prologue);
 }
 
+// ---- Integer inputs (MatvecParams::act_bits, q4) ----
+// The device's integer input, emulated: per 32-input chunk m = max |x|,
+// codes rn(x * (C / m)) in f32 (C = 32512 for 16 bits, 127 for 8, as
+// matvec.cu computes them), each input taken as code * m / C; the bias term
+// takes the exact sum(x).
+struct IntInput {
+  std::vector<int> code;
+  std::vector<double> step, sum;  // per chunk
+};
+IntInput int_input(const std::vector<float>& x, int bits) {
+  IntInput in;
+  const float C = bits == 16 ? 32512.f : 127.f;
+  const int n = static_cast<int>(x.size());
+  in.code.resize(n);
+  for (int c = 0; c * 32 < n; ++c) {
+    float m = 0.f;
+    double sum = 0;
+    for (int i = c * 32; i < std::min(n, c * 32 + 32); ++i) {
+      m = std::max(m, std::fabs(x[i]));
+      sum += x[i];
+    }
+    const float inv = m > 0.f ? C / m : 0.f;
+    for (int i = c * 32; i < std::min(n, c * 32 + 32); ++i) {
+      const float t = x[i] * inv;
+      in.code[i] = static_cast<int>(std::nearbyint(t));
+    }
+    in.step.push_back(double(m) / C);
+    in.sum.push_back(sum);
+  }
+  return in;
+}
+// A q4 matrix (MLX layout: input 2k in byte k's low nibble) times an integer
+// input, in double.
+std::vector<float> int_matvec(const test::HostMatrix& h, const IntInput& in) {
+  const Matrix& m = h.m;
+  const int G = m.group_size, ng = m.cols / G;
+  auto half = [&](const std::vector<uint8_t>& v, size_t i) {
+    uint16_t b;
+    std::memcpy(&b, &v[2 * i], 2);
+    return m.scale_dtype == DType::F16 ? f16_to_f32(b) : bf16_to_f32(b);
+  };
+  std::vector<float> y(m.rows);
+  for (int r = 0; r < m.rows; ++r) {
+    double acc = 0;
+    for (int c = 0; c < m.cols / 32; ++c) {
+      const size_t g = size_t(r) * ng + (c * 32) / G;
+      long long qx = 0;
+      for (int i = c * 32; i < c * 32 + 32; ++i) {
+        const size_t e = size_t(r) * m.cols + i;
+        const int q = (h.data[e / 2] >> (4 * (e & 1))) & 15;
+        qx += q * in.code[i];
+      }
+      acc += half(h.scales, g) * in.step[c] * double(qx) + half(h.biases, g) * in.sum[c];
+    }
+    y[r] = static_cast<float>(acc);
+  }
+  return y;
+}
+// The bound against the emulation: 8 bits after a norm prologue, an input
+// within an ulp of a rounding boundary may take the other code (the device
+// normalises in another order), a step of m / 127 on one product, hence
+// 1e-3; otherwise (and at 16 bits, where such a step is m / 32512) f32
+// rounding only. Against the f32 product: each input is off by at most half
+// a step (m / 254, m / 65024).
+double emu_tol(int bits, bool prologue) { return bits == 8 && prologue ? 1e-3 : 2e-5; }
+double f32_tol(int bits) { return bits == 8 ? 2e-2 : 1e-4; }
+
+// The q4 matvec with integer inputs, every prologue and three q4 layouts:
+// against the emulation and against the f32 product.
+void int_inputs_every_prologue(int bits) {
+  std::mt19937 rng(17);
+  for (const FormatCase& fc : kFormats) {
+    if (fc.f != WeightFormat::Affine4) continue;
+    for (int cols : {384, 1152, 2816, 4096}) {
+      if (cols % fc.group) continue;
+      SCOPED_TRACE(std::string(fc.name) + " cols " + std::to_string(cols) + " bits " + std::to_string(bits));
+      auto a = random_matrix(fc.f, 77, cols, fc.group, fc.sdt, rng);
+      auto b = random_matrix(fc.f, 130, cols, fc.group, fc.sdt, rng);
+      auto da = cuda::upload_matrix(a.m, 1), db = cuda::upload_matrix(b.m, 2);
+      const auto x = random_vec(cols, rng, -2, 2), nw = random_vec(cols, rng, 0.5f, 1.5f),
+                 z = random_vec(cols, rng, -3, 3);
+      auto dx = to_device(x), dnw = to_device(nw), dz = to_device(z);
+      for (int pv = 0; pv < 3; ++pv) {  // none, RMSNorm, gated RMSNorm over 128-wide segments
+        std::vector<float> xin = x;
+        const int seg = pv == 2 ? 128 : cols;
+        if (pv > 0)
+          for (int s = 0; s < cols / seg; ++s) cpu::rms_norm(&x[s * seg], nw.data(), seg, 1e-6f, &xin[s * seg]);
+        if (pv == 2)
+          for (int i = 0; i < cols; ++i) xin[i] *= cpu::silu(z[i]);
+        const IntInput in = int_input(xin, bits);
+        auto oa = poisoned(77), ob = poisoned(130);
+        cuda::MatvecParams p;
+        cuda::set_layout(p, da.v);
+        p.njobs = 2;
+        p.jobs[0] = {da.v.w, da.v.sb, 77, -1, 0, 0, oa.as<float>()};
+        p.jobs[1] = {db.v.w, db.v.sb, 130, -1, 0, 0, ob.as<float>()};
+        p.x = dx.as<float>();
+        p.pro = static_cast<cuda::Prologue>(pv == 0 ? 0 : pv == 1 ? 1 : 2);
+        p.norm_w = dnw.as<float>();
+        p.seg = seg;
+        p.gate_z = pv == 2 ? dz.as<float>() : nullptr;
+        p.eps = 1e-6f;
+        p.act_bits = bits;
+        cuda::launch_matvec(p, nullptr, false);
+        const auto ga = to_host<float>(oa, 77), gb = to_host<float>(ob, 130);
+        EXPECT_LT(rel_err(ga, int_matvec(a, in)), emu_tol(bits, pv > 0)) << "prologue " << pv;
+        EXPECT_LT(rel_err(gb, int_matvec(b, in)), emu_tol(bits, pv > 0)) << "prologue " << pv;
+        EXPECT_LT(rel_err(ga, cpu_matvec(a.m, xin)), f32_tol(bits)) << "prologue " << pv;
+        EXPECT_LT(rel_err(gb, cpu_matvec(b.m, xin)), f32_tol(bits)) << "prologue " << pv;
+      }
+    }
+  }
+}
+
+TEST(CudaMatvecIntInputs, EveryPrologueMatchesEmulation) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (int bits : {16, 8}) int_inputs_every_prologue(bits);
+  // Where the one-pass staging does not apply the launch keeps f32 inputs.
+  ScopedEnv env("LILY_CUDA_FAST_STAGE", "0");
+  std::mt19937 rng(19);
+  auto a = random_matrix(WeightFormat::Affine4, 45, 256, 64, DType::BF16, rng);
+  auto da = cuda::upload_matrix(a.m, 1);
+  const auto x = random_vec(256, rng);
+  auto dx = to_device(x);
+  auto out = poisoned(45);
+  cuda::MatvecParams p = one_job(da.v, out.as<float>(), dx.as<float>());
+  p.act_bits = 8;
+  cuda::launch_matvec(p, nullptr, false);
+  EXPECT_LT(rel_err(to_host<float>(out, 45), cpu_matvec(a.m, x)), 2e-5);
+}
+
+// The lm_head class with integer inputs: many tiles per block, the argmax of
+// the rows as computed, the position step.
+TEST(CudaMatvecIntInputs, LmHeadShapeArgmax) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(29);
+  int dev = 0, sms = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int V = 17 * 16 * sms + 37, H = 2048;
+  auto m = random_matrix(WeightFormat::Affine4, V, H, 64, DType::BF16, rng);
+  auto dm = cuda::upload_matrix(m.m, 1);
+  const auto x = random_vec(H, rng);
+  auto dx = to_device(x);
+  for (int bits : {16, 8}) {
+    SCOPED_TRACE("bits " + std::to_string(bits));
+    auto out = poisoned(V);
+    cuda::DecodeCtrl h = {41, 0, 0, 0, 0};
+    DeviceBuffer ctrl(sizeof h), counter(4);
+    LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
+    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
+    cuda::MatvecParams p = one_job(dm.v, out.as<float>(), dx.as<float>());
+    p.argmax = 1;
+    p.fin = cuda::Finish::LmHead;
+    p.counter = counter.as<unsigned>();
+    p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+    p.act_bits = bits;
+    cuda::launch_matvec(p, nullptr, false);
+    auto y = to_host<float>(out, V);
+    EXPECT_LT(rel_err(y, int_matvec(m, int_input(x, bits))), 2e-5);
+    LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
+    const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
+    EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
+    EXPECT_EQ(h.pos, 42);
+  }
+}
+
 // E experts' gate and up (I x H, q4 g64), uploaded as the backend does: one
 // stack with each expert's gate and up rows interleaved.
 struct ExpertStack {
@@ -238,6 +405,7 @@ TEST(CudaMatvec, AddAndSwiGlu) {
 // (q4, residual add) writes h and sums the router's fixed-point logits into
 // an accumulator that a third launch zeroed first (it starts as garbage),
 // and gate_up routes from those.
+int g_route_bits = 0;  // routed_gate_up with integer inputs on the q4 launches (against the emulation)
 void routed_gate_up() {
   std::mt19937 rng(5);
   struct Case {
@@ -310,13 +478,14 @@ void routed_gate_up() {
       }
       cuda::MatvecParams o = one_job(dwo.v, dx.as<float>(), da.as<float>());
       o.epi = cuda::Epilogue::Add;
+      o.act_bits = g_route_bits;
       o.fold = shape;
       o.fold.q = fold_q.as<uint32_t>();
       o.fold.sb = fold_sb.as<uint32_t>();
       o.fold.g = dnw.as<float>();
       o.fold.acc = acc.as<unsigned long long>();
       cuda::launch_matvec(o, nullptr, false);
-      auto want_h = cpu_matvec(wo.m, a);
+      auto want_h = g_route_bits ? int_matvec(wo, int_input(a, g_route_bits)) : cpu_matvec(wo.m, a);
       for (int i = 0; i < H; ++i) want_h[i] += x[i];
       x = to_host<float>(dx, H);
       EXPECT_LT(rel_err(x, want_h), 2e-5);
@@ -368,6 +537,7 @@ void routed_gate_up() {
     g.norm_w = dnw.as<float>();
     g.seg = H;
     g.epi = cuda::Epilogue::SwiGLU;
+    g.act_bits = g_route_bits;
     cuda::launch_matvec(g, nullptr, false);
 
     // Router logits against the CPU, then the CPU's routing on the device's
@@ -405,20 +575,38 @@ void routed_gate_up() {
     }
 
     // The selected experts' SwiGLU outputs (+ the shared expert's).
+    // (Integer inputs: emu_tol.)
     std::vector<float> want;
-    auto swiglu = [&](const Matrix& gm, const Matrix& um) {
-      auto gg = cpu_matvec(gm, xn), uu = cpu_matvec(um, xn);
+    // The one-pass staging (and so int8) needs the 224 staging threads to
+    // hold the input in 4 float4s each: H <= 3,584 (the 4,480 case stays f32).
+    const bool xi = g_route_bits && H <= 4 * 4 * (cuda::kMatvecThreads - 32);
+    const IntInput xq = int_input(xn, g_route_bits ? g_route_bits : 16);
+    auto swiglu = [&](const test::HostMatrix& gm, const test::HostMatrix& um) {
+      auto gg = xi ? int_matvec(gm, xq) : cpu_matvec(gm.m, xn);
+      auto uu = xi ? int_matvec(um, xq) : cpu_matvec(um.m, xn);
       for (size_t i = 0; i < gg.size(); ++i) want.push_back(cpu::silu(gg[i]) * uu[i]);
     };
-    for (int j = 0; j < k; ++j) swiglu(gates[idx[j]].m, ups[idx[j]].m);
-    if (rc.shared) swiglu(shg.m, shu.m);
-    EXPECT_LT(rel_err(to_host<float>(out, want.size()), want), 2e-5);
+    for (int j = 0; j < k; ++j) swiglu(gates[idx[j]], ups[idx[j]]);
+    if (rc.shared) swiglu(shg, shu);
+    const double tol = xi ? emu_tol(g_route_bits, pro != cuda::Prologue::None) : 2e-5;
+    EXPECT_LT(rel_err(to_host<float>(out, want.size()), want), tol);
   }
 }
 
 TEST(CudaMatvec, RoutedGateUpMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
   with_both_stagings(routed_gate_up);
+}
+
+// The route and fold launches with integer inputs (the one-pass staging).
+TEST(CudaMatvecIntInputs, RoutedGateUpAndFoldMatchEmulation) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (int bits : {16, 8}) {
+    SCOPED_TRACE("bits " + std::to_string(bits));
+    g_route_bits = bits;
+    routed_gate_up();
+  }
+  g_route_bits = 0;
 }
 
 // One lm_head launch (a single q4 job of V rows, stored, with the argmax
@@ -506,6 +694,7 @@ TEST(CudaMatvec, ManyTilesPerBlockAcrossJobs) {
   }
 }
 
+int g_down_bits = 0;  // moe_down_weighted_sum with integer inputs (q4 only, against the emulation)
 void moe_down_weighted_sum() {
   std::mt19937 rng(3);
   struct Shape {
@@ -519,6 +708,7 @@ void moe_down_weighted_sum() {
   for (const char* split : {"1", "0"})
   for (auto [f, sdt] : {std::pair{WeightFormat::Affine4, DType::BF16}, std::pair{WeightFormat::Affine4, DType::F16},
                         std::pair{WeightFormat::BF16, DType::BF16}}) {
+    if (g_down_bits && f != WeightFormat::Affine4) continue;
     setenv("LILY_CUDA_DOWN_SPLIT", split, 1);
     SCOPED_TRACE(std::string("I ") + std::to_string(sh_.I) + " J " + std::to_string(sh_.J) +
                  " LILY_CUDA_DOWN_SPLIT=" + split + (sdt == DType::F16 ? " f16 scales" : ""));
@@ -553,11 +743,13 @@ void moe_down_weighted_sum() {
       q.coef = dcoef.as<float>() + j;
     }
     p.out = dout.as<float>();
+    p.act_bits = g_down_bits;
     cuda::launch_moe_down(p, nullptr, false);
     std::vector<float> want = base;
     for (int j = 0; j < J; ++j) {
-      const Matrix& m = j == J - 1 ? shared.m : downs[sel[j]].m;
-      auto y = cpu_matvec(m, std::vector<float>(xs.begin() + j * I, xs.begin() + (j + 1) * I));
+      const test::HostMatrix& hm = j == J - 1 ? shared : downs[sel[j]];
+      const std::vector<float> xj(xs.begin() + j * I, xs.begin() + (j + 1) * I);
+      auto y = g_down_bits ? int_matvec(hm, int_input(xj, g_down_bits)) : cpu_matvec(hm.m, xj);
       for (int r = 0; r < H; ++r) want[r] += coef[j] * y[r];
     }
     EXPECT_LT(rel_err(to_host<float>(dout, H), want), 2e-5) << weight_format_name(f);
@@ -574,6 +766,19 @@ TEST(CudaMoeDown, WeightedSumOverExpertsMatchesCpu) {
     SCOPED_TRACE(std::string("LILY_CUDA_SPEC_IDS=") + spec);
     with_both_stagings(moe_down_weighted_sum);
   }
+}
+
+// With integer inputs (q4, the one-pass staging), against the emulation.
+TEST(CudaMoeDown, IntInputsMatchEmulation) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (int bits : {16, 8})
+    for (const char* spec : {"1", "2"}) {
+      ScopedEnv env("LILY_CUDA_SPEC_IDS", spec);
+      SCOPED_TRACE(std::string("LILY_CUDA_SPEC_IDS=") + spec + " bits " + std::to_string(bits));
+      g_down_bits = bits;
+      moe_down_weighted_sum();
+    }
+  g_down_bits = 0;
 }
 
 // Several decode steps of one DeltaNet layer against the CPU recurrence.

@@ -54,6 +54,7 @@ Backend& cuda_backend_for(const std::string& fixture, bool kv_bf16) {
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
     o.kv_bf16 = kv_bf16;
+    if (!kv_bf16) o.act_bits = 0;  // the f32 comparison runs f32 throughout
     o.prefill = false;  // the prompt runs through the decode step too (prefill: tests below)
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }

@@ -191,6 +191,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   j["model"] = s.model_desc;
   j["backend"] = "cuda";
   j["kv_dtype"] = opt.kv_bf16 ? "bf16" : "f32";
+  j["q4_matvec_inputs"] = opt.act_bits ? "int" + std::to_string(opt.act_bits) : std::string("f32");
   j["pdl"] = opt.pdl;
   j["graphs"] = opt.graphs;
   j["weight_bytes"] = b->weight_bytes();
@@ -216,8 +217,8 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,
               b->step_launches());
-  std::printf("device-to-device copy: %.0f GB/s (read + write)   kv cache: %s   load: %.1f s\n\n",
-              copy_gbs, opt.kv_bf16 ? "bf16" : "f32", load_s);
+  std::printf("device-to-device copy: %.0f GB/s (read + write)   kv cache: %s   q4 matvec inputs: %s   load: %.1f s\n\n",
+              copy_gbs, opt.kv_bf16 ? "bf16" : "f32", j["q4_matvec_inputs"].get<std::string>().c_str(), load_s);
   std::printf("%8s %9s %9s %9s %9s %7s %9s %8s\n", "ctx", "tok/s", "ms/tok", "GB/tok", "GB/s", "%copy",
               "peak GiB", "SM MHz");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

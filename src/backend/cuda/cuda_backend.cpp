@@ -52,6 +52,13 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ACT")) {
+    const std::string a = v;
+    if (a == "f32") o.act_bits = 0;
+    else if (a == "q8") o.act_bits = 8;
+    else if (a == "q16") o.act_bits = 16;
+    else fail("LILY_CUDA_ACT='", a, "': expected q16, q8 or f32");
+  }
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_CHUNK")) {
     char* end = nullptr;
     const long n = std::strtol(v, &end, 10);
@@ -416,6 +423,7 @@ struct CudaBackend::Impl {
       MatvecParams p = proto;
       const DevMatView& v0 = g[0].m->v;
       set_layout(p, v0);
+      p.act_bits = opt.act_bits;
       p.njobs = static_cast<int>(g.size());
       double bytes = 0;
       for (size_t i = 0; i < g.size(); ++i) {
@@ -631,6 +639,7 @@ struct CudaBackend::Impl {
       for (const auto& g : dgroups) {
         MoeDownParams p;
         set_layout(p, g[0].first->v);
+        p.act_bits = opt.act_bits;
         p.rows = H;
         p.njobs = static_cast<int>(g.size());
         p.out = X;

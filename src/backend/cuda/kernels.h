@@ -211,6 +211,11 @@ struct MatvecParams {
   // finished before this launch could start.
   unsigned long long* zero_acc = nullptr;
   int zero_n = 0;
+  // q4 weights: the staged input as integer codes per 32-input chunk (16:
+  // two int8 parts, 8: one) and the products on IDP.4A (matvec.cu, "Integer
+  // inputs"); 0: f32. Only with the one-pass staging; other formats and
+  // stagings keep f32.
+  int act_bits = 0;
   TraceSpec trace;  // set by the launch function
 };
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
@@ -235,6 +240,7 @@ struct MoeDownParams {
   int fast_stage = 0;    // set by launch_moe_down: one-pass staging
   int split = 1;         // set by launch_moe_down: warps per row pair (1, 2 or 4)
   int spec_ids = 1;      // set by launch_moe_down: expert ids read before the wait (2: wrongly, a test)
+  int act_bits = 0;      // q4: integer inputs on IDP.4A, as MatvecParams::act_bits
   TraceSpec trace;  // set by the launch function
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);

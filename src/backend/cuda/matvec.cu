@@ -201,6 +201,131 @@ __device__ __forceinline__ void put_piece(float* smem, float* xsum, int f, int N
   }
 }
 
+// ---- Integer inputs (act_bits; q4 weights, one-pass staging) ----
+// The staged input becomes integer codes per 32-input chunk (one q4 chunk)
+// and the products run on IDP.4A, four per instruction and exact in int32.
+// With m = max |x| over the chunk:
+//   act_bits 16: code = rn(x * 32512 / m) (|code| <= 32512), x taken as
+//     code * m / 32512 (error at most m / 65024: 15 bits under the chunk's
+//     largest input, finer than a bf16 input's 8 bits under each value),
+//     held as two int8 codes, hi = floor((code + 128) / 256) and
+//     lo = code - 256 hi (both in [-128, 127]);
+//   act_bits 8: code = rn(x * 127 / m), the hi codes alone (error up to
+//     m / 254, 7 bits; llama.cpp's q8_1 class).
+// A q4 word's low nibbles (inputs 0, 2, 4, 6 of its 8) are masked in place,
+// its high ones too (16 q: no shift), each against a word of 4 codes laid out
+// to match: a chunk's 8 code words per int8 part are lo0 hi0 lo1 hi1 | lo2 hi2
+// lo3 hi3 (loN: the codes of inputs 8N + 0, 2, 4, 6; hiN: 8N + 1, 3, 5, 7),
+// the high part's 2 16-byte quarters first, then the low part's. The Q
+// quarters of chunk c sit at Q c + (j ^ ((c >> (3 - log2 Q)) & (Q - 1))), so
+// the 8 lanes of a quarter-warp (8 consecutive chunks) read 8 distinct bank
+// groups. Per chunk a float2: m / (Cmax * 16) and sum(x) (exact: the bias
+// term sees no rounding). Shared memory: the codes from byte 0 (16 Q bytes
+// per chunk), the float2s from float 4 Q chunks (inside the f32 staging area
+// of 32 floats per chunk).
+template <int XB>
+struct XCodes {
+  static_assert(XB == 8 || XB == 16, "integer inputs: 8 or 16 bits");
+  static constexpr int Q = XB == 16 ? 4 : 2;          // 16-byte quarters per chunk
+  static constexpr int SH = XB == 16 ? 1 : 2;         // the swizzle's chunk shift
+  static constexpr float kMax = XB == 16 ? 32512.f : 127.f;
+  __device__ static __forceinline__ int quarter(int c, int j) { return Q * c + (j ^ ((c >> SH) & (Q - 1))); }
+  __device__ static __forceinline__ float2* meta(float* smem, int chunks) {
+    return reinterpret_cast<float2*>(smem + 4 * Q * chunks);
+  }
+  __device__ static __forceinline__ const float2* meta(const float* smem, int chunks) {
+    return reinterpret_cast<const float2*>(smem + 4 * Q * chunks);
+  }
+};
+__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
+  return (static_cast<uint32_t>(a) & 0xFFu) | ((static_cast<uint32_t>(b) & 0xFFu) << 8) |
+         ((static_cast<uint32_t>(c) & 0xFFu) << 16) | (static_cast<uint32_t>(d) << 24);
+}
+// The word of a part that lane q of a chunk writes (q even: lo, from its own
+// codes A = inputs 0-3 of the word and its odd neighbour's B = 4-7; q odd:
+// hi, B from the even neighbour).
+__device__ __forceinline__ uint32_t x_word(uint32_t A, int q) {
+  const uint32_t B = __shfl_xor_sync(0xffffffffu, A, 1);
+  return (q & 1) ? __byte_perm(B, A, 0x7531) : __byte_perm(A, B, 0x6420);
+}
+// put_piece for integer inputs: piece f (inputs 4 (f % 8) .. + 3 of chunk
+// f / 8) and its 7 chunk neighbours sit in 8 aligned lanes (every lane of
+// the warp calls it); lane q writes word q of each part.
+template <int XB>
+__device__ __forceinline__ void put_piece_x(float* smem, int chunks, int f, int NP, float4 a) {
+  using XC = XCodes<XB>;
+  const int c = f >> 3, q = f & 7;
+  float s = (a.x + a.y) + (a.z + a.w);
+  float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, o);
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  }
+  const float inv = m > 0.f ? XC::kMax / m : 0.f;
+  int k[4] = {__float2int_rn(a.x * inv), __float2int_rn(a.y * inv), __float2int_rn(a.z * inv),
+              __float2int_rn(a.w * inv)};
+  uint32_t* w = reinterpret_cast<uint32_t*>(smem);
+  if constexpr (XB == 16) {
+    int h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      h[i] = (k[i] + 128) >> 8;
+      k[i] -= h[i] * 256;
+    }
+    const uint32_t wh = x_word(pack_s8x4(h[0], h[1], h[2], h[3]), q);
+    const uint32_t wl = x_word(pack_s8x4(k[0], k[1], k[2], k[3]), q);
+    if (f < NP) {
+      w[XC::quarter(c, q >> 2) * 4 + (q & 3)] = wh;
+      w[XC::quarter(c, 2 + (q >> 2)) * 4 + (q & 3)] = wl;
+    }
+  } else {
+    const uint32_t wh = x_word(pack_s8x4(k[0], k[1], k[2], k[3]), q);
+    if (f < NP) w[XC::quarter(c, q >> 2) * 4 + (q & 3)] = wh;
+  }
+  if (f < NP && q == 0) XC::meta(smem, chunks)[c] = make_float2(m / (XC::kMax * 16.f), s);
+}
+// d = a . b + c over 4 bytes, a unsigned, b signed.
+__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// sum over one int8 part of 16 q code for a q4 chunk w (the part's two
+// quarters x0, x1): exact, |.| < 2^20.
+__device__ __forceinline__ int q4_dot_s8(const uint4& v, const uint4& x0, const uint4& x1) {
+  int lo = 0, hi = 0;
+  lo = dp4a_us(v.x & 0x0F0F0F0Fu, x0.x, lo);
+  hi = dp4a_us(v.x & 0xF0F0F0F0u, x0.y, hi);
+  lo = dp4a_us(v.y & 0x0F0F0F0Fu, x0.z, lo);
+  hi = dp4a_us(v.y & 0xF0F0F0F0u, x0.w, hi);
+  lo = dp4a_us(v.z & 0x0F0F0F0Fu, x1.x, lo);
+  hi = dp4a_us(v.z & 0xF0F0F0F0u, x1.y, hi);
+  lo = dp4a_us(v.w & 0x0F0F0F0Fu, x1.z, lo);
+  hi = dp4a_us(v.w & 0xF0F0F0F0u, x1.w, hi);
+  return 16 * lo + hi;
+}
+// d[r] = sum over chunk c of 16 q code for R rows (16 bits: < 2^28, exact
+// in int32; its float conversion rounds to 24 bits).
+template <int XB, int R>
+__device__ __forceinline__ void chunk_dot_x(const uint4 (&w)[R], const uint4* xq, int c, int (&d)[R]) {
+  using XC = XCodes<XB>;
+  const uint4 h0 = xq[XC::quarter(c, 0)], h1 = xq[XC::quarter(c, 1)];
+  if constexpr (XB == 16) {
+    const uint4 l0 = xq[XC::quarter(c, 2)], l1 = xq[XC::quarter(c, 3)];
+#pragma unroll
+    for (int r = 0; r < R; ++r) d[r] = 256 * q4_dot_s8(w[r], h0, h1) + q4_dot_s8(w[r], l0, l1);
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) d[r] = q4_dot_s8(w[r], h0, h1);
+  }
+}
+// A chunk's affine term from chunk_dot_x's d: scale * step * sum(q code)
+// + bias * sum(x).
+__device__ __forceinline__ float x_term(float2 sb, int d, float2 meta) {
+  return fmaf(sb.x * meta.x, __int2float_rn(d), sb.y * meta.y);
+}
+
 // The norm weights (and the gate z, when known before the wait) of staging
 // thread t's pieces, loaded into registers before the wait: nothing waits
 // for them there, so the block reaches griddepcontrol.wait at once (stored
@@ -237,7 +362,7 @@ __device__ __forceinline__ void stage_regs_load(const MatvecParams& p, int t, in
 // The named barrier where a route launch's staging hands its sums of x^2
 // to the routing warp (route_warp).
 constexpr int kRouteRmsBar = 2;
-template <QFmt F>
+template <QFmt F, int XB = 0>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
                                            int n, int bar_id, float* red, StageRegs& sr, bool arrive = false) {
   using CF = ChunkFmt<F>;
@@ -303,7 +428,8 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       const float s = scale[k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
-    put_piece<F>(smem + L.xs, smem + L.xsum, f, NP, a);
+    if constexpr (XB != 0) put_piece_x<XB>(smem + L.xs, p.chunks, f, NP, a);
+    else put_piece<F>(smem + L.xs, smem + L.xsum, f, NP, a);
   }
 }
 
@@ -609,6 +735,23 @@ __device__ __forceinline__ void compute_item(const ItemRegs& it, int c0, int chu
   }
 }
 
+// compute_item on integer inputs (XB bits, q4).
+template <int XB>
+__device__ __forceinline__ void compute_item_x(const ItemRegs& it, int c0, int chunks, int sb_f16, const uint4* xq,
+                                               const float2* xm, float (&acc)[2]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < chunks) {
+      int d[2];
+      chunk_dot_x<XB, 2>(it.w[u], xq, c, d);
+      const float2 meta = xm[c];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) acc[r] += x_term(decode_sb(it.s[u][r], sb_f16), d[r], meta);
+    }
+  }
+}
+
 // The router fold (RouterFold). A fold launch runs one tile per block, so a
 // block's 16 rows sit in one scale group g (groups are at least 16 wide):
 // its part of output e is s[e][g] D_e + b[e][g] Y with D_e = sum q[e][r] y_r
@@ -647,8 +790,9 @@ __device__ __forceinline__ void fold_load(const RouterFold& f, const TileRows& t
 
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
-template <QFmt F, bool Route, bool Fast, bool Fold = false>
+template <QFmt F, bool Route, bool Fast, bool Fold = false, int XB = 0>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
+  static_assert(XB == 0 || (F == QFmt::Q4 && Fast), "integer inputs: q4 with the one-pass staging");
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
@@ -741,7 +885,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       if (p.route.experts <= 256) route_warp<8>(p, s_sel_idx, red, nred, issue_first);
       else route_warp<kMaxRouteExperts / 32>(p, s_sel_idx, red, nred, issue_first);
     } else {
-      stage_fast<F>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
+      stage_fast<F, XB>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
     }
     trace_clock(p.trace, 4);
     __syncthreads();
@@ -765,6 +909,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   trace_mark(p.trace, 2);
   const float4* xs = reinterpret_cast<const float4*>(smem + L.xs);
   const float* xsum = smem + L.xsum;
+  const uint4* xq = reinterpret_cast<const uint4*>(smem + L.xs);
+  const float2* xm = XCodes<XB == 0 ? 8 : XB>::meta(smem + L.xs, chunks);
 
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
@@ -776,7 +922,10 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
       tr_nxt = k1 == 0 ? tile_rows_next<CF::affine>(p, tr_cur, t_begin + tl1, warp, s_sel_idx) : tr_cur;
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
-    if (tr_cur.valid) compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
+    if (tr_cur.valid) {
+      if constexpr (XB != 0) compute_item_x<XB>(cur, 64 * k + lane, chunks, p.sb_f16, xq, xm, acc);
+      else compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
+    }
     if (q == 0) trace_clock(p.trace, 7);
     if (k == niter - 1 && tr_cur.valid) {
       // The two rows' sums by a reduce-scatter: one exchange at distance 16
@@ -883,26 +1032,27 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
 
 // No register cap (about 95 registers for q4: 2 blocks per SM); _3: capped
 // at 85 registers for 3 blocks per SM (a few bytes of spills).
-template <QFmt F, bool Route, bool Fast>
+template <QFmt F, bool Route, bool Fast, int XB = 0>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, Route, Fast>(p);
+  matvec_body<F, Route, Fast, false, XB>(p);
 }
 template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
   matvec_body<F, Route, false>(p);
 }
 // With the router fold (RouterFold) in the epilogue.
-template <QFmt F, bool Fast>
+template <QFmt F, bool Fast, int XB = 0>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_fold_kernel(const __grid_constant__ MatvecParams p) {
-  matvec_body<F, false, Fast, true>(p);
+  matvec_body<F, false, Fast, true, XB>(p);
 }
 
 // out[r] += sum_j coef_j * (W_j x_j)[r]. p.split warps (1, 2 or 4) own two
 // output rows and split the (expert, chunk) items of both, U per lane and
 // step, so all experts' rows for one output are summed in registers, the
 // warps' partial sums added in shared memory in warp order: no atomics.
-template <QFmt F, int U>
+template <QFmt F, int U, int XB = 0>
 __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
+  static_assert(XB == 0 || F == QFmt::Q4, "integer inputs: q4 only");
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
   __shared__ const uint4* s_w[kMaxJobs];
@@ -1024,10 +1174,12 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 #pragma unroll
     for (int k = 0; k < KP; ++k) {
       if (k * nthr + w * 32 >= NP) break;  // warp-uniform
-      put_piece<F>(smem, xsum, tid + k * nthr, NP, v[k]);
+      if constexpr (XB != 0) put_piece_x<XB>(smem, items, tid + k * nthr, NP, v[k]);
+      else put_piece<F>(smem, xsum, tid + k * nthr, NP, v[k]);
     }
     __syncthreads();
   }
+  // (Integer inputs run only with the one-pass staging: launch_moe_down_t.)
   for (int i0 = p.fast_stage ? total_in : tid; i0 < total_in; i0 += blockDim.x * 8) {
     float v[8];
 #pragma unroll
@@ -1075,16 +1227,24 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
       for (int u = 0; u < U; ++u) {
         const int it = ibeg + 32 * U * k + lane + 32 * u;
         if (it < iend) {
-          float d[2];
-          chunk_dot<F, 2>(wc[u], xs, it, d);
           const float coef = s_coef[job_of(it)];
+          if constexpr (XB != 0) {
+            int d[2];
+            chunk_dot_x<XB, 2>(wc[u], reinterpret_cast<const uint4*>(smem), it, d);
+            const float2 meta = XCodes<XB>::meta(smem, items)[it];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float v = d[r];
-            if constexpr (CF::affine) {
-              v = CF::affine_term(decode_sb(sc[u][r], p.sb_f16), d[r], xsum[it]);
+            for (int r = 0; r < 2; ++r) acc[r] = fmaf(coef, x_term(decode_sb(sc[u][r], p.sb_f16), d[r], meta), acc[r]);
+          } else {
+            float d[2];
+            chunk_dot<F, 2>(wc[u], xs, it, d);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float v = d[r];
+              if constexpr (CF::affine) {
+                v = CF::affine_term(decode_sb(sc[u][r], p.sb_f16), d[r], xsum[it]);
+              }
+              acc[r] = fmaf(coef, v, acc[r]);
             }
-            acc[r] = fmaf(coef, v, acc[r]);
           }
         }
       }
@@ -1192,6 +1352,10 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
     allow_big_smem(matvec_kernel<F, Route, false>);
     allow_big_smem(matvec_kernel<F, Route, true>);
     allow_big_smem(matvec_kernel_3<F, Route>);
+    if constexpr (F == QFmt::Q4) {
+      allow_big_smem(matvec_kernel<F, Route, true, 8>);
+      allow_big_smem(matvec_kernel<F, Route, true, 16>);
+    }
     return true;
   }();
   (void)init;
@@ -1203,18 +1367,32 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
                        (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
   const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
                     fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
+  // Integer inputs (act_bits): q4 with the one-pass staging only.
+  const int xb = F == QFmt::Q4 && fast ? p.act_bits : 0;
   if constexpr (!Route) {
     if (p.fold.acc) {
       static bool init_fold = [] {
         allow_big_smem(matvec_fold_kernel<F, false>);
         allow_big_smem(matvec_fold_kernel<F, true>);
+        if constexpr (F == QFmt::Q4) {
+          allow_big_smem(matvec_fold_kernel<F, true, 8>);
+          allow_big_smem(matvec_fold_kernel<F, true, 16>);
+        }
         return true;
       }();
       (void)init_fold;
+      if constexpr (F == QFmt::Q4) {
+        if (xb == 8) return launch_matvec_k(matvec_fold_kernel<F, true, 8>, F, p, s, pdl);
+        if (xb == 16) return launch_matvec_k(matvec_fold_kernel<F, true, 16>, F, p, s, pdl);
+      }
       if (fast) launch_matvec_k(matvec_fold_kernel<F, true>, F, p, s, pdl);
       else launch_matvec_k(matvec_fold_kernel<F, false>, F, p, s, pdl);
       return;
     }
+  }
+  if constexpr (F == QFmt::Q4) {
+    if (xb == 8) return launch_matvec_k(matvec_kernel<F, Route, true, 8>, F, p, s, pdl);
+    if (xb == 16) return launch_matvec_k(matvec_kernel<F, Route, true, 16>, F, p, s, pdl);
   }
   if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
   else if (fast) launch_matvec_k(matvec_kernel<F, Route, true>, F, p, s, pdl);
@@ -1231,6 +1409,12 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
     allow_big_smem(moe_down_kernel<F, 2>);
     allow_big_smem(moe_down_kernel<F, 3>);
+    if constexpr (F == QFmt::Q4) {
+      allow_big_smem(moe_down_kernel<F, 2, 8>);
+      allow_big_smem(moe_down_kernel<F, 3, 8>);
+      allow_big_smem(moe_down_kernel<F, 2, 16>);
+      allow_big_smem(moe_down_kernel<F, 3, 16>);
+    }
     return true;
   }();
   (void)init;
@@ -1250,6 +1434,16 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
     q.split = items <= 2 * 96 ? 2 : 4;
   }
   auto kernel = U == 3 ? moe_down_kernel<F, 3> : moe_down_kernel<F, 2>;
+  {
+    bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
+    for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
+    q.fast_stage = env_switch("LILY_CUDA_FAST_STAGE", 1) && ok;
+  }
+  // Integer inputs (act_bits): q4 with the one-pass staging only.
+  if constexpr (F == QFmt::Q4) {
+    if (q.fast_stage && p.act_bits == 8) kernel = U == 3 ? moe_down_kernel<F, 3, 8> : moe_down_kernel<F, 2, 8>;
+    if (q.fast_stage && p.act_bits == 16) kernel = U == 3 ? moe_down_kernel<F, 3, 16> : moe_down_kernel<F, 2, 16>;
+  }
   const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
   const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
   const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
@@ -1258,11 +1452,6 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
   q.trace = next_trace();
-  {
-    bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
-    for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
-    q.fast_stage = env_switch("LILY_CUDA_FAST_STAGE", 1) && ok;
-  }
   launch_kernel("moe_down", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
 }
 
@@ -1349,6 +1538,7 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
            ", group shift ", f.gshift, ") malformed");
   }
   if (p.zero_n < 0 || (p.zero_n > 0 && !p.zero_acc)) fail("matvec: ", p.zero_n, " words to zero without a buffer");
+  if (p.act_bits != 0 && p.act_bits != 8 && p.act_bits != 16) fail("matvec: ", p.act_bits, "-bit inputs (0, 8 or 16)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
@@ -1361,6 +1551,7 @@ void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("moe_down: ", p.chunks_per_group, " chunks per group (a power of two)");
+  if (p.act_bits != 0 && p.act_bits != 8 && p.act_bits != 16) fail("moe_down: ", p.act_bits, "-bit inputs (0, 8 or 16)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_moe_down_t<QFmt::Q8>(p, s, pdl);
