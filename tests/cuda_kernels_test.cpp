@@ -4,6 +4,7 @@
 
 #ifdef LILY_HAVE_CUDA
 
+#include <cfloat>
 #include <cstdlib>
 #include <numeric>
 
@@ -159,8 +160,8 @@ TEST(CudaMatvec, EveryFormatAndPrologueMatchesCpu) {
 
 // ---- Integer inputs (MatvecParams::act_bits, q4) ----
 // The device's integer input, emulated: per 32-input chunk m = max |x|,
-// codes rn(x * (C / m)) in f32 (C = 32512 for 16 bits, 127 for 8, as
-// matvec.cu computes them), each input taken as code * m / C; the bias term
+// codes rn(x * (C * (1 / max(m, FLT_MIN)))) in f32 (C = 32512 for 16 bits, 127 for 8,
+// as matvec.cu computes them), each input taken as code * m / C; the bias term
 // takes the exact sum(x).
 struct IntInput {
   std::vector<int> code;
@@ -178,7 +179,7 @@ IntInput int_input(const std::vector<float>& x, int bits) {
       m = std::max(m, std::fabs(x[i]));
       sum += x[i];
     }
-    const float inv = m > 0.f ? C / m : 0.f;
+    const float inv = m > 0.f ? C * (1.f / std::max(m, FLT_MIN)) : 0.f;
     for (int i = c * 32; i < std::min(n, c * 32 + 32); ++i) {
       const float t = x[i] * inv;
       in.code[i] = static_cast<int>(std::nearbyint(t));

@@ -13,6 +13,7 @@
 #include <cfloat>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "backend/cuda/device_common.cuh"
 
@@ -237,10 +238,6 @@ struct XCodes {
     return reinterpret_cast<const float2*>(smem + 4 * Q * chunks);
   }
 };
-__device__ __forceinline__ uint32_t pack_s8x4(int a, int b, int c, int d) {
-  return (static_cast<uint32_t>(a) & 0xFFu) | ((static_cast<uint32_t>(b) & 0xFFu) << 8) |
-         ((static_cast<uint32_t>(c) & 0xFFu) << 16) | (static_cast<uint32_t>(d) << 24);
-}
 // The word of a part that lane q of a chunk writes (q even: lo, from its own
 // codes A = inputs 0-3 of the word and its odd neighbour's B = 4-7; q odd:
 // hi, B from the even neighbour).
@@ -248,42 +245,66 @@ __device__ __forceinline__ uint32_t x_word(uint32_t A, int q) {
   const uint32_t B = __shfl_xor_sync(0xffffffffu, A, 1);
   return (q & 1) ? __byte_perm(B, A, 0x7531) : __byte_perm(A, B, 0x6420);
 }
-// put_piece for integer inputs: piece f (inputs 4 (f % 8) .. + 3 of chunk
-// f / 8) and its 7 chunk neighbours sit in 8 aligned lanes (every lane of
-// the warp calls it); lane q writes word q of each part.
-template <int XB>
-__device__ __forceinline__ void put_piece_x(float* smem, int chunks, int f, int NP, float4 a) {
+// put_piece for integer inputs, for all K pieces of a staging thread at once
+// (piece k is f = f0 + k * n, inputs 4 (f % 8) .. + 3 of chunk f / 8; n a
+// multiple of 32): the pieces' chains are independent, so they run as one
+// straight-line sequence with every reduction round's shuffles together
+// (a piece at a time they were a dependent chain each, 0.3 us apiece).
+// Pieces past NP (zeros) are computed and not stored. A chunk's 8 pieces sit
+// in 8 aligned lanes (every lane of the warp calls it); lane q writes word q
+// of each part. The codes come from the float product through the f32
+// rounding add of 1.5 * 2^23 (its low 16 bits are the code: byte 0 the low
+// part, byte 1 of code + 128 the high part) instead of F2I.
+template <int XB, int K>
+__device__ __forceinline__ void put_pieces_x(float* smem, int chunks, int f0, int n, int NP, const float4 (&a)[K]) {
   using XC = XCodes<XB>;
-  const int c = f >> 3, q = f & 7;
-  float s = (a.x + a.y) + (a.z + a.w);
-  float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+  float s[K], m[K];
 #pragma unroll
-  for (int o = 1; o < 8; o <<= 1) {
-    s += __shfl_xor_sync(0xffffffffu, s, o);
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  for (int k = 0; k < K; ++k) {
+    s[k] = (a[k].x + a[k].y) + (a[k].z + a[k].w);
+    m[k] = fmaxf(fmaxf(fabsf(a[k].x), fabsf(a[k].y)), fmaxf(fabsf(a[k].z), fabsf(a[k].w)));
   }
-  const float inv = m > 0.f ? XC::kMax / m : 0.f;
-  int k[4] = {__float2int_rn(a.x * inv), __float2int_rn(a.y * inv), __float2int_rn(a.z * inv),
-              __float2int_rn(a.w * inv)};
-  uint32_t* w = reinterpret_cast<uint32_t*>(smem);
-  if constexpr (XB == 16) {
-    int h[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      h[i] = (k[i] + 128) >> 8;
-      k[i] -= h[i] * 256;
+  for (int o = 1; o < 8; o <<= 1)
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      s[k] += __shfl_xor_sync(0xffffffffu, s[k], o);
+      m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
     }
-    const uint32_t wh = x_word(pack_s8x4(h[0], h[1], h[2], h[3]), q);
-    const uint32_t wl = x_word(pack_s8x4(k[0], k[1], k[2], k[3]), q);
+  uint32_t* w = reinterpret_cast<uint32_t*>(smem);
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int f = f0 + k * n, c = f >> 3, q = f & 7;
+    // C * (1 / m), the reciprocal rounded once (the tests' emulation
+    // computes the same).
+    // (m at least FLT_MIN: no reciprocal of 0 or of a subnormal, which
+    // takes the slow path.)
+    const float inv = m[k] > 0.f ? XC::kMax * __frcp_rn(fmaxf(m[k], FLT_MIN)) : 0.f;
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+    const uint32_t b0 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].x, inv), kRound));
+    const uint32_t b1 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].y, inv), kRound));
+    const uint32_t b2 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].z, inv), kRound));
+    const uint32_t b3 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].w, inv), kRound));
+    uint32_t wh, wl = 0;
+    if constexpr (XB == 16) {
+      const uint32_t h0 = b0 + 128u, h1 = b1 + 128u, h2 = b2 + 128u, h3 = b3 + 128u;
+      const uint32_t hp = __byte_perm(__byte_perm(h0, h1, 0x0051), __byte_perm(h2, h3, 0x0051), 0x5410);
+      const uint32_t lp = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+      // One exchange for both parts: a lane sends the 4 bytes its neighbour
+      // needs (even lane: its inputs 1, 3, high and low; odd lane: 4, 6).
+      const bool odd = q & 1;
+      const uint32_t r = __shfl_xor_sync(0xffffffffu, __byte_perm(hp, lp, odd ? 0x6420 : 0x7531), 1);
+      wh = odd ? __byte_perm(r, hp, 0x7510) : __byte_perm(hp, r, 0x5420);
+      wl = odd ? __byte_perm(r, lp, 0x7532) : __byte_perm(lp, r, 0x7620);
+    } else {
+      wh = x_word(__byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410), q);
+    }
     if (f < NP) {
       w[XC::quarter(c, q >> 2) * 4 + (q & 3)] = wh;
-      w[XC::quarter(c, 2 + (q >> 2)) * 4 + (q & 3)] = wl;
+      if constexpr (XB == 16) w[XC::quarter(c, 2 + (q >> 2)) * 4 + (q & 3)] = wl;
+      if (q == 0) XC::meta(smem, chunks)[c] = make_float2(m[k] / (XC::kMax * 16.f), s[k]);
     }
-  } else {
-    const uint32_t wh = x_word(pack_s8x4(k[0], k[1], k[2], k[3]), q);
-    if (f < NP) w[XC::quarter(c, q >> 2) * 4 + (q & 3)] = wh;
   }
-  if (f < NP && q == 0) XC::meta(smem, chunks)[c] = make_float2(m / (XC::kMax * 16.f), s);
 }
 // d = a . b + c over 4 bytes, a unsigned, b signed.
 __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
@@ -403,21 +424,25 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) scale[k] = r;
   } else if (p.pro == Prologue::GatedNorm) {
+    // Every piece's segment sum at once (the same warp sums, their shuffle
+    // rounds interleaved rather than one dependent chain per piece); pieces
+    // past the input are zeros and unused.
+    float ss[kMaxPieces];
 #pragma unroll
-    for (int k = 0; k < kMaxPieces; ++k) {
-      if (k * n + w * 32 >= n4) break;  // warp-uniform
-      float ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, v[k].w * v[k].w)));
-      ss = warp_sum(ss);
-      scale[k] = 1.f / sqrtf(ss / 128.f + p.eps);
-    }
+    for (int k = 0; k < kMaxPieces; ++k)
+      ss[k] = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, v[k].w * v[k].w)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
   }
   if (p.trace.recs) {
     asm volatile("" ::"f"(scale[0]), "f"(scale[kMaxPieces - 1]));
     trace_clock(p.trace, 6);
   }
-#pragma unroll
-  for (int k = 0; k < kMaxPieces; ++k) {
-    if (k * n + w * 32 >= NP) break;  // warp-uniform
+  auto scaled = [&](int k) {
     const int f = t + k * n;
     float4 a = v[k];
     if (p.pro != Prologue::None && f < n4) {
@@ -428,8 +453,28 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
       const float s = scale[k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
-    if constexpr (XB != 0) put_piece_x<XB>(smem + L.xs, p.chunks, f, NP, a);
-    else put_piece<F>(smem + L.xs, smem + L.xsum, f, NP, a);
+    return a;
+  };
+  if constexpr (XB != 0) {
+    // The warp's pieces (warp-uniform), rounded up to 1, 2 or 4.
+    const int kn = w * 32 < NP ? (NP - w * 32 + n - 1) / n : 0;
+    auto put = [&](auto kc) {
+      constexpr int K = decltype(kc)::value;
+      float4 a[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) a[k] = scaled(k);
+      put_pieces_x<XB>(smem + L.xs, p.chunks, t, n, NP, a);
+    };
+    static_assert(kMaxPieces == 4, "the piece counts below");
+    if (kn == 1) put(std::integral_constant<int, 1>{});
+    else if (kn == 2) put(std::integral_constant<int, 2>{});
+    else if (kn > 2) put(std::integral_constant<int, 4>{});
+  } else {
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) {
+      if (k * n + w * 32 >= NP) break;  // warp-uniform
+      put_piece<F>(smem + L.xs, smem + L.xsum, t + k * n, NP, scaled(k));
+    }
   }
 }
 
@@ -1171,11 +1216,26 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
         if (within < cols) v[k] = *reinterpret_cast<const float4*>(p.jobs[jj].x + within);
       }
     }
+    if constexpr (XB != 0) {
+      // The warp's pieces (warp-uniform), rounded up to 2, 4 or 6.
+      static_assert(KP == 6, "the piece counts below");
+      const int kn = w * 32 < NP ? (NP - w * 32 + nthr - 1) / nthr : 0;
+      auto put = [&](auto kc) {
+        constexpr int K = decltype(kc)::value;
+        float4 a[K];
 #pragma unroll
-    for (int k = 0; k < KP; ++k) {
-      if (k * nthr + w * 32 >= NP) break;  // warp-uniform
-      if constexpr (XB != 0) put_piece_x<XB>(smem, items, tid + k * nthr, NP, v[k]);
-      else put_piece<F>(smem, xsum, tid + k * nthr, NP, v[k]);
+        for (int k = 0; k < K; ++k) a[k] = v[k];
+        put_pieces_x<XB>(smem, items, tid, nthr, NP, a);
+      };
+      if (kn > 4) put(std::integral_constant<int, 6>{});
+      else if (kn > 2) put(std::integral_constant<int, 4>{});
+      else if (kn > 0) put(std::integral_constant<int, 2>{});
+    } else {
+#pragma unroll
+      for (int k = 0; k < KP; ++k) {
+        if (k * nthr + w * 32 >= NP) break;  // warp-uniform
+        put_piece<F>(smem, xsum, tid + k * nthr, NP, v[k]);
+      }
     }
     __syncthreads();
   }
