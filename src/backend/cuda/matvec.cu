@@ -238,71 +238,70 @@ struct XCodes {
     return reinterpret_cast<const float2*>(smem + 4 * Q * chunks);
   }
 };
-// The word of a part that lane q of a chunk writes (q even: lo, from its own
-// codes A = inputs 0-3 of the word and its odd neighbour's B = 4-7; q odd:
-// hi, B from the even neighbour).
-__device__ __forceinline__ uint32_t x_word(uint32_t A, int q) {
-  const uint32_t B = __shfl_xor_sync(0xffffffffu, A, 1);
-  return (q & 1) ? __byte_perm(B, A, 0x7531) : __byte_perm(A, B, 0x6420);
-}
-// put_piece for integer inputs, for all K pieces of a staging thread at once
-// (piece k is f = f0 + k * n, inputs 4 (f % 8) .. + 3 of chunk f / 8; n a
-// multiple of 32): the pieces' chains are independent, so they run as one
-// straight-line sequence with every reduction round's shuffles together
-// (a piece at a time they were a dependent chain each, 0.3 us apiece).
-// Pieces past NP (zeros) are computed and not stored. A chunk's 8 pieces sit
-// in 8 aligned lanes (every lane of the warp calls it); lane q writes word q
-// of each part. The codes come from the float product through the f32
-// rounding add of 1.5 * 2^23 (its low 16 bits are the code: byte 0 the low
-// part, byte 1 of code + 128 the high part) instead of F2I.
-template <int XB, int K>
-__device__ __forceinline__ void put_pieces_x(float* smem, int chunks, int f0, int n, int NP, const float4 (&a)[K]) {
+// put_piece for integer inputs, all of a staging thread's pieces at once.
+// The thread owns pairs of adjacent pieces (stage_piece): pair j is
+// P = P0 + j * n, inputs 8 P .. + 7, word P % 4 of chunk P / 4, so a lane
+// codes whole words itself (no exchange with a neighbour) and a chunk's
+// reductions span 4 aligned lanes: 4 shuffles per 8 inputs (v16's first
+// version, a piece per lane as the f32 staging, took 14, and each piece's
+// chain ran after the previous one's: 0.6 us per launch more than the f32
+// staging). The pairs' chains are independent and run as one straight-line
+// sequence. Pairs past NPairs (zeros) are computed and not stored. The codes
+// come from the float product through the f32 rounding add of 1.5 * 2^23
+// (its low 16 bits are the code: byte 0 the low part, byte 1 of code + 128
+// the high part) instead of F2I.
+template <int XB, int J>
+__device__ __forceinline__ void put_pairs_x(float* smem, int chunks, int P0, int n, int NPairs,
+                                            const float4 (&a)[2 * J]) {
   using XC = XCodes<XB>;
-  float s[K], m[K];
+  float s[J], m[J];
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    s[k] = (a[k].x + a[k].y) + (a[k].z + a[k].w);
-    m[k] = fmaxf(fmaxf(fabsf(a[k].x), fabsf(a[k].y)), fmaxf(fabsf(a[k].z), fabsf(a[k].w)));
+  for (int j = 0; j < J; ++j) {
+    const float4 u = a[2 * j], v = a[2 * j + 1];
+    s[j] = ((u.x + u.y) + (u.z + u.w)) + ((v.x + v.y) + (v.z + v.w));
+    m[j] = fmaxf(fmaxf(fmaxf(fabsf(u.x), fabsf(u.y)), fmaxf(fabsf(u.z), fabsf(u.w))),
+                 fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   }
 #pragma unroll
-  for (int o = 1; o < 8; o <<= 1)
+  for (int o = 1; o < 4; o <<= 1)
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      s[k] += __shfl_xor_sync(0xffffffffu, s[k], o);
-      m[k] = fmaxf(m[k], __shfl_xor_sync(0xffffffffu, m[k], o));
+    for (int j = 0; j < J; ++j) {
+      s[j] += __shfl_xor_sync(0xffffffffu, s[j], o);
+      m[j] = fmaxf(m[j], __shfl_xor_sync(0xffffffffu, m[j], o));
     }
   uint32_t* w = reinterpret_cast<uint32_t*>(smem);
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int f = f0 + k * n, c = f >> 3, q = f & 7;
-    // C * (1 / m), the reciprocal rounded once (the tests' emulation
-    // computes the same).
+  for (int j = 0; j < J; ++j) {
+    const int P = P0 + j * n, c = P >> 2, i = P & 3;
     // (m at least FLT_MIN: no reciprocal of 0 or of a subnormal, which
     // takes the slow path.)
-    const float inv = m[k] > 0.f ? XC::kMax * __frcp_rn(fmaxf(m[k], FLT_MIN)) : 0.f;
-    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-    const uint32_t b0 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].x, inv), kRound));
-    const uint32_t b1 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].y, inv), kRound));
-    const uint32_t b2 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].z, inv), kRound));
-    const uint32_t b3 = __float_as_uint(__fadd_rn(__fmul_rn(a[k].w, inv), kRound));
-    uint32_t wh, wl = 0;
+    const float inv = m[j] > 0.f ? XC::kMax * __frcp_rn(fmaxf(m[j], FLT_MIN)) : 0.f;
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23: its low 16 bits are the code
+    const float e[8] = {a[2 * j].x, a[2 * j].y, a[2 * j].z, a[2 * j].w,
+                        a[2 * j + 1].x, a[2 * j + 1].y, a[2 * j + 1].z, a[2 * j + 1].w};
+    uint32_t b[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) b[t] = __float_as_uint(__fadd_rn(__fmul_rn(e[t], inv), kRound));
+    // Byte 0 of each code: the words of the even inputs (0, 2, 4, 6) and the
+    // odd ones; for 16 bits byte 1 of code + 128 is the high part.
+    auto word = [](uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3, uint32_t sel) {
+      return __byte_perm(__byte_perm(x0, x1, sel), __byte_perm(x2, x3, sel), 0x5410);
+    };
+    uint2 hi, lo;
     if constexpr (XB == 16) {
-      const uint32_t h0 = b0 + 128u, h1 = b1 + 128u, h2 = b2 + 128u, h3 = b3 + 128u;
-      const uint32_t hp = __byte_perm(__byte_perm(h0, h1, 0x0051), __byte_perm(h2, h3, 0x0051), 0x5410);
-      const uint32_t lp = __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
-      // One exchange for both parts: a lane sends the 4 bytes its neighbour
-      // needs (even lane: its inputs 1, 3, high and low; odd lane: 4, 6).
-      const bool odd = q & 1;
-      const uint32_t r = __shfl_xor_sync(0xffffffffu, __byte_perm(hp, lp, odd ? 0x6420 : 0x7531), 1);
-      wh = odd ? __byte_perm(r, hp, 0x7510) : __byte_perm(hp, r, 0x5420);
-      wl = odd ? __byte_perm(r, lp, 0x7532) : __byte_perm(lp, r, 0x7620);
+      uint32_t h[8];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) h[t] = b[t] + 128u;
+      hi = make_uint2(word(h[0], h[2], h[4], h[6], 0x0051), word(h[1], h[3], h[5], h[7], 0x0051));
+      lo = make_uint2(word(b[0], b[2], b[4], b[6], 0x0040), word(b[1], b[3], b[5], b[7], 0x0040));
     } else {
-      wh = x_word(__byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410), q);
+      hi = make_uint2(word(b[0], b[2], b[4], b[6], 0x0040), word(b[1], b[3], b[5], b[7], 0x0040));
+      lo = hi;
     }
-    if (f < NP) {
-      w[XC::quarter(c, q >> 2) * 4 + (q & 3)] = wh;
-      if constexpr (XB == 16) w[XC::quarter(c, 2 + (q >> 2)) * 4 + (q & 3)] = wl;
-      if (q == 0) XC::meta(smem, chunks)[c] = make_float2(m[k] / (XC::kMax * 16.f), s[k]);
+    if (P < NPairs) {
+      *reinterpret_cast<uint2*>(w + XC::quarter(c, i >> 1) * 4 + 2 * (i & 1)) = hi;
+      if constexpr (XB == 16) *reinterpret_cast<uint2*>(w + XC::quarter(c, 2 + (i >> 1)) * 4 + 2 * (i & 1)) = lo;
+      if (i == 0) XC::meta(smem, chunks)[c] = make_float2(m[j] / (XC::kMax * 16.f), s[j]);
     }
   }
 }
@@ -355,9 +354,19 @@ __device__ __forceinline__ float x_term(float2 sb, int d, float2 meta) {
 // Norm: one weight piece per input piece (a); gated (128-wide segments): a
 // thread's pieces all sit at one offset of their segments, so one weight
 // piece (g), and a holds the thread's pieces of z.
+// Pairs (the integer-input staging, put_pairs_x): thread t owns the adjacent
+// pieces 2 (t + j n) and + 1 as its pieces 2 j and 2 j + 1; a gated segment
+// then holds 16 lanes' pairs, and a thread's even and odd pieces sit at two
+// offsets of their segments (g, g2).
 struct StageRegs {
-  float4 a[kMaxPieces], g;
+  float4 a[kMaxPieces], g, g2;
 };
+template <bool Pairs>
+__device__ __forceinline__ int stage_piece(int t, int k, int n) {
+  if constexpr (Pairs) return 2 * (t + (k >> 1) * n) + (k & 1);
+  else return t + k * n;
+}
+template <bool Pairs = false>
 __device__ __forceinline__ void stage_regs_load(const MatvecParams& p, int t, int n, StageRegs& r) {
   const int n4 = p.cols / 4;
   const float4* nw4 = reinterpret_cast<const float4*>(p.norm_w);
@@ -365,15 +374,16 @@ __device__ __forceinline__ void stage_regs_load(const MatvecParams& p, int t, in
   if (p.pro == Prologue::Norm) {
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) {
-      const int f = t + k * n;
+      const int f = stage_piece<Pairs>(t, k, n);
       r.a[k] = f < n4 ? __ldg(nw4 + f) : zero;
     }
   } else if (p.pro == Prologue::GatedNorm) {
-    r.g = __ldg(nw4 + (t & 31));
+    r.g = __ldg(nw4 + (stage_piece<Pairs>(t, 0, n) & 31));
+    if constexpr (Pairs) r.g2 = __ldg(nw4 + (stage_piece<Pairs>(t, 1, n) & 31));
     if (p.gate_z_early) {
 #pragma unroll
       for (int k = 0; k < kMaxPieces; ++k) {
-        const int f = t + k * n;
+        const int f = stage_piece<Pairs>(t, k, n);
         r.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : zero;
       }
     }
@@ -387,6 +397,7 @@ template <QFmt F, int XB = 0>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
                                            int n, int bar_id, float* red, StageRegs& sr, bool arrive = false) {
   using CF = ChunkFmt<F>;
+  constexpr bool Pairs = XB != 0;  // the integer staging owns pairs of pieces (put_pairs_x)
   const int lane = t & 31, w = t >> 5, nwarps = n >> 5;
   const int n4 = p.cols / 4, NP = p.chunks * CF::PPC;
   const float4* x4 = reinterpret_cast<const float4*>(p.x);
@@ -394,7 +405,7 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
   float4 v[kMaxPieces];
 #pragma unroll
   for (int k = 0; k < kMaxPieces; ++k) {
-    const int f = t + k * n;
+    const int f = stage_piece<Pairs>(t, k, n);
     v[k] = f < n4 ? x4[f] : make_float4(0.f, 0.f, 0.f, 0.f);
     if (late_z)
       sr.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -431,44 +442,57 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k)
       ss[k] = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, v[k].w * v[k].w)));
+    if constexpr (Pairs) {
+      // A segment: the pairs of 16 lanes.
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
+      for (int k = 0; k < kMaxPieces; k += 2) ss[k] += ss[k + 1];
 #pragma unroll
-      for (int k = 0; k < kMaxPieces; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+      for (int o = 8; o > 0; o >>= 1)
 #pragma unroll
-    for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+        for (int k = 0; k < kMaxPieces; k += 2) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; k += 2) scale[k] = scale[k + 1] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+    } else {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < kMaxPieces; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+    }
   }
   if (p.trace.recs) {
     asm volatile("" ::"f"(scale[0]), "f"(scale[kMaxPieces - 1]));
     trace_clock(p.trace, 6);
   }
   auto scaled = [&](int k) {
-    const int f = t + k * n;
+    const int f = stage_piece<Pairs>(t, k, n);
     float4 a = v[k];
     if (p.pro != Prologue::None && f < n4) {
       float4 g = sr.a[k];
-      if (p.pro == Prologue::GatedNorm)
-        g = make_float4(sr.g.x * silu_fast(g.x), sr.g.y * silu_fast(g.y), sr.g.z * silu_fast(g.z),
-                        sr.g.w * silu_fast(g.w));
+      if (p.pro == Prologue::GatedNorm) {
+        const float4 gw = (Pairs && (k & 1)) ? sr.g2 : sr.g;
+        g = make_float4(gw.x * silu_fast(g.x), gw.y * silu_fast(g.y), gw.z * silu_fast(g.z), gw.w * silu_fast(g.w));
+      }
       const float s = scale[k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
     return a;
   };
   if constexpr (XB != 0) {
-    // The warp's pieces (warp-uniform), rounded up to 1, 2 or 4.
-    const int kn = w * 32 < NP ? (NP - w * 32 + n - 1) / n : 0;
-    auto put = [&](auto kc) {
-      constexpr int K = decltype(kc)::value;
-      float4 a[K];
+    // The warp's pairs (warp-uniform): one or two.
+    const int NPairs = NP / 2;
+    const int jn = w * 32 < NPairs ? (NPairs - w * 32 + n - 1) / n : 0;
+    auto put = [&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      float4 a[2 * J];
 #pragma unroll
-      for (int k = 0; k < K; ++k) a[k] = scaled(k);
-      put_pieces_x<XB>(smem + L.xs, p.chunks, t, n, NP, a);
+      for (int k = 0; k < 2 * J; ++k) a[k] = scaled(k);
+      put_pairs_x<XB, J>(smem + L.xs, p.chunks, t, n, NPairs, a);
     };
-    static_assert(kMaxPieces == 4, "the piece counts below");
-    if (kn == 1) put(std::integral_constant<int, 1>{});
-    else if (kn == 2) put(std::integral_constant<int, 2>{});
-    else if (kn > 2) put(std::integral_constant<int, 4>{});
+    static_assert(kMaxPieces == 4, "the pair counts below");
+    if (jn == 1) put(std::integral_constant<int, 1>{});
+    else if (jn > 1) put(std::integral_constant<int, 2>{});
   } else {
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) {
@@ -902,7 +926,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   StageRegs sr;
   const int st0 = Route ? 32 : 0;  // the staging threads: [st0, blockDim.x)
   if constexpr (Fast) {
-    if (tid >= st0) stage_regs_load(p, tid - st0, blockDim.x - st0, sr);
+    if (tid >= st0) stage_regs_load<XB != 0>(p, tid - st0, blockDim.x - st0, sr);
   } else if (p.pro != Prologue::None) {
     for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
   }
@@ -1209,7 +1233,7 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
     float4 v[KP];
 #pragma unroll
     for (int k = 0; k < KP; ++k) {
-      const int f = tid + k * nthr;
+      const int f = stage_piece<XB != 0>(tid, k, nthr);
       v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (f < NP) {
         const int item = f / CF::PPC, jj = item / chunks, within = (item - jj * chunks) * CF::FPC + (f % CF::PPC) * 4;
@@ -1217,19 +1241,20 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
       }
     }
     if constexpr (XB != 0) {
-      // The warp's pieces (warp-uniform), rounded up to 2, 4 or 6.
-      static_assert(KP == 6, "the piece counts below");
-      const int kn = w * 32 < NP ? (NP - w * 32 + nthr - 1) / nthr : 0;
-      auto put = [&](auto kc) {
-        constexpr int K = decltype(kc)::value;
-        float4 a[K];
+      // The warp's pairs (warp-uniform): one to three.
+      static_assert(KP == 6, "the pair counts below");
+      const int NPairs = NP / 2;
+      const int jn = w * 32 < NPairs ? (NPairs - w * 32 + nthr - 1) / nthr : 0;
+      auto put = [&](auto jc) {
+        constexpr int J = decltype(jc)::value;
+        float4 a[2 * J];
 #pragma unroll
-        for (int k = 0; k < K; ++k) a[k] = v[k];
-        put_pieces_x<XB>(smem, items, tid, nthr, NP, a);
+        for (int k = 0; k < 2 * J; ++k) a[k] = v[k];
+        put_pairs_x<XB, J>(smem, items, tid, nthr, NPairs, a);
       };
-      if (kn > 4) put(std::integral_constant<int, 6>{});
-      else if (kn > 2) put(std::integral_constant<int, 4>{});
-      else if (kn > 0) put(std::integral_constant<int, 2>{});
+      if (jn > 2) put(std::integral_constant<int, 3>{});
+      else if (jn == 2) put(std::integral_constant<int, 2>{});
+      else if (jn == 1) put(std::integral_constant<int, 1>{});
     } else {
 #pragma unroll
       for (int k = 0; k < KP; ++k) {
