@@ -289,42 +289,6 @@ TEST(CudaMatvecIntInputs, EveryPrologueMatchesEmulation) {
   EXPECT_LT(rel_err(to_host<float>(out, 45), cpu_matvec(a.m, x)), 2e-5);
 }
 
-// The lm_head class with integer inputs: many tiles per block, the argmax of
-// the rows as computed, the position step.
-TEST(CudaMatvecIntInputs, LmHeadShapeArgmax) {
-  LILY_SKIP_WITHOUT_GPU();
-  std::mt19937 rng(29);
-  int dev = 0, sms = 0;
-  LILY_CUDA(cudaGetDevice(&dev));
-  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int V = 17 * 16 * sms + 37, H = 2048;
-  auto m = random_matrix(WeightFormat::Affine4, V, H, 64, DType::BF16, rng);
-  auto dm = cuda::upload_matrix(m.m, 1);
-  const auto x = random_vec(H, rng);
-  auto dx = to_device(x);
-  for (int bits : {16, 8}) {
-    SCOPED_TRACE("bits " + std::to_string(bits));
-    auto out = poisoned(V);
-    cuda::DecodeCtrl h = {41, 0, 0, 0, 0};
-    DeviceBuffer ctrl(sizeof h), counter(4);
-    LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
-    LILY_CUDA(cudaMemset(counter.get(), 0, 4));
-    cuda::MatvecParams p = one_job(dm.v, out.as<float>(), dx.as<float>());
-    p.argmax = 1;
-    p.fin = cuda::Finish::LmHead;
-    p.counter = counter.as<unsigned>();
-    p.ctrl = ctrl.as<cuda::DecodeCtrl>();
-    p.act_bits = bits;
-    cuda::launch_matvec(p, nullptr, false);
-    auto y = to_host<float>(out, V);
-    EXPECT_LT(rel_err(y, int_matvec(m, int_input(x, bits))), 2e-5);
-    LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
-    const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
-    EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
-    EXPECT_EQ(h.pos, 42);
-  }
-}
-
 // E experts' gate and up (I x H, q4 g64), uploaded as the backend does: one
 // stack with each expert's gate and up rows interleaved.
 struct ExpertStack {
@@ -612,7 +576,8 @@ TEST(CudaMatvecIntInputs, RoutedGateUpAndFoldMatchEmulation) {
 
 // One lm_head launch (a single q4 job of V rows, stored, with the argmax
 // and the position step; the input RMSNorm when `norm`) against the CPU.
-void check_lm_head_launch(int V, int H, DType sdt, bool norm, std::mt19937& rng) {
+// bits: integer inputs (act_bits), against the emulation.
+void check_lm_head_launch(int V, int H, DType sdt, bool norm, std::mt19937& rng, int bits = 0) {
   auto m = random_matrix(WeightFormat::Affine4, V, H, 64, sdt, rng);
   auto dm = cuda::upload_matrix(m.m, 1);
   const auto x = random_vec(H, rng), nw = random_vec(H, rng, 0.5f, 1.5f);
@@ -634,9 +599,11 @@ void check_lm_head_launch(int V, int H, DType sdt, bool norm, std::mt19937& rng)
   p.fin = cuda::Finish::LmHead;
   p.counter = counter.as<unsigned>();
   p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+  p.act_bits = bits;
   cuda::launch_matvec(p, nullptr, false);
   auto y = to_host<float>(out, V);
-  EXPECT_LT(rel_err(y, cpu_matvec(m.m, xin)), 2e-5);
+  if (bits) EXPECT_LT(rel_err(y, int_matvec(m, int_input(xin, bits))), emu_tol(bits, norm));
+  else EXPECT_LT(rel_err(y, cpu_matvec(m.m, xin)), 2e-5);
   LILY_CUDA(cudaMemcpy(&h, ctrl.get(), sizeof h, cudaMemcpyDeviceToHost));
   const int want = static_cast<int>(std::max_element(y.begin(), y.end()) - y.begin());
   EXPECT_EQ(static_cast<int>(0xFFFFFFFFu - uint32_t(h.argmax_key & 0xFFFFFFFFu)), want);
@@ -651,7 +618,8 @@ TEST(CudaMatvec, ArgmaxAndPositionAdvance) {
 
 // The lm_head's shape class: so many tiles that every block runs more than
 // 16 of them; rows not a multiple of the tile, one and two steps per tile,
-// bf16 and f16 scales, the input RMSNorm, the argmax and the position step.
+// bf16 and f16 scales, the input RMSNorm, the argmax and the position step;
+// also with integer inputs.
 TEST(CudaMatvec, LmHeadShapeManyTilesPerBlock) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(23);
@@ -661,6 +629,11 @@ TEST(CudaMatvec, LmHeadShapeManyTilesPerBlock) {
   for (auto [H, sdt] : {std::pair{192, DType::BF16}, std::pair{2112, DType::F16}}) {
     SCOPED_TRACE("H " + std::to_string(H));
     check_lm_head_launch(17 * 16 * sms + 37, H, sdt, true, rng);
+  }
+  // With integer inputs (the model's hidden size).
+  for (int bits : {16, 8}) {
+    SCOPED_TRACE("bits " + std::to_string(bits));
+    check_lm_head_launch(17 * 16 * sms + 37, 2048, DType::BF16, bits == 16, rng, bits);
   }
 }
 

@@ -305,6 +305,26 @@ __device__ __forceinline__ void put_pairs_x(float* smem, int chunks, int P0, int
     }
   }
 }
+// put_pairs_x over the pairs of staging thread t's warp that exist (one to
+// JMax, warp-uniform; get(k) gives piece k of the thread, stage_piece order).
+template <int XB, int JMax, typename Get>
+__device__ __forceinline__ void put_pairs_n(float* smem, int chunks, int t, int n, int NP, Get get) {
+  const int w = t >> 5, NPairs = NP / 2;
+  const int jn = w * 32 < NPairs ? (NPairs - w * 32 + n - 1) / n : 0;
+  auto put = [&](auto jc) {
+    constexpr int J = decltype(jc)::value;
+    float4 a[2 * J];
+#pragma unroll
+    for (int k = 0; k < 2 * J; ++k) a[k] = get(k);
+    put_pairs_x<XB, J>(smem, chunks, t, n, NPairs, a);
+  };
+  static_assert(JMax == 2 || JMax == 3, "one to three pairs");
+  if constexpr (JMax == 3) {
+    if (jn > 2) return put(std::integral_constant<int, 3>{});
+  }
+  if (jn > 1) put(std::integral_constant<int, 2>{});
+  else if (jn == 1) put(std::integral_constant<int, 1>{});
+}
 // d = a . b + c over 4 bytes, a unsigned, b signed.
 __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
   int d;
@@ -480,19 +500,8 @@ __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, c
     return a;
   };
   if constexpr (XB != 0) {
-    // The warp's pairs (warp-uniform): one or two.
-    const int NPairs = NP / 2;
-    const int jn = w * 32 < NPairs ? (NPairs - w * 32 + n - 1) / n : 0;
-    auto put = [&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      float4 a[2 * J];
-#pragma unroll
-      for (int k = 0; k < 2 * J; ++k) a[k] = scaled(k);
-      put_pairs_x<XB, J>(smem + L.xs, p.chunks, t, n, NPairs, a);
-    };
-    static_assert(kMaxPieces == 4, "the pair counts below");
-    if (jn == 1) put(std::integral_constant<int, 1>{});
-    else if (jn > 1) put(std::integral_constant<int, 2>{});
+    static_assert(kMaxPieces == 4, "two pairs");
+    put_pairs_n<XB, 2>(smem + L.xs, p.chunks, t, n, NP, scaled);
   } else {
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) {
@@ -1241,20 +1250,8 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
       }
     }
     if constexpr (XB != 0) {
-      // The warp's pairs (warp-uniform): one to three.
-      static_assert(KP == 6, "the pair counts below");
-      const int NPairs = NP / 2;
-      const int jn = w * 32 < NPairs ? (NPairs - w * 32 + nthr - 1) / nthr : 0;
-      auto put = [&](auto jc) {
-        constexpr int J = decltype(jc)::value;
-        float4 a[2 * J];
-#pragma unroll
-        for (int k = 0; k < 2 * J; ++k) a[k] = v[k];
-        put_pairs_x<XB, J>(smem, items, tid, nthr, NPairs, a);
-      };
-      if (jn > 2) put(std::integral_constant<int, 3>{});
-      else if (jn == 2) put(std::integral_constant<int, 2>{});
-      else if (jn == 1) put(std::integral_constant<int, 1>{});
+      static_assert(KP == 6, "three pairs");
+      put_pairs_n<XB, 3>(smem, items, tid, nthr, NP, [&](int k) { return v[k]; });
     } else {
 #pragma unroll
       for (int k = 0; k < KP; ++k) {
