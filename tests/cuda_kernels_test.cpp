@@ -179,12 +179,13 @@ IntInput int_input(const std::vector<float>& x, int bits) {
       m = std::max(m, std::fabs(x[i]));
       sum += x[i];
     }
-    const float inv = m > 0.f ? C * (1.f / std::max(m, FLT_MIN)) : 0.f;
+    const float mm = m > 0.f ? std::max(m, FLT_MIN) : 0.f;
+    const float inv = mm > 0.f ? C * (1.f / mm) : 0.f;
     for (int i = c * 32; i < std::min(n, c * 32 + 32); ++i) {
       const float t = x[i] * inv;
       in.code[i] = static_cast<int>(std::nearbyint(t));
     }
-    in.step.push_back(double(m) / C);
+    in.step.push_back(double(mm) / C);
     in.sum.push_back(sum);
   }
   return in;
@@ -275,6 +276,28 @@ void int_inputs_every_prologue(int bits) {
 TEST(CudaMatvecIntInputs, EveryPrologueMatchesEmulation) {
   LILY_SKIP_WITHOUT_GPU();
   for (int bits : {16, 8}) int_inputs_every_prologue(bits);
+  {
+    // A chunk of zeros and a chunk with one outlier 3,000x its neighbours
+    // (a massive activation): each chunk keeps its own scale.
+    std::mt19937 rng(31);
+    const int cols = 1152;
+    auto a = random_matrix(WeightFormat::Affine4, 77, cols, 64, DType::BF16, rng);
+    auto da = cuda::upload_matrix(a.m, 1);
+    auto x = random_vec(cols, rng);
+    std::fill(x.begin(), x.begin() + 32, 0.f);
+    x[3 * 32 + 5] = 3000.f;
+    auto dx = to_device(x);
+    for (int bits : {16, 8}) {
+      SCOPED_TRACE("zeros and an outlier, bits " + std::to_string(bits));
+      auto out = poisoned(77);
+      cuda::MatvecParams p = one_job(da.v, out.as<float>(), dx.as<float>());
+      p.act_bits = bits;
+      cuda::launch_matvec(p, nullptr, false);
+      const auto y = to_host<float>(out, 77);
+      EXPECT_LT(rel_err(y, int_matvec(a, int_input(x, bits))), 2e-5);
+      EXPECT_LT(rel_err(y, cpu_matvec(a.m, x)), f32_tol(bits));
+    }
+  }
   // Where the one-pass staging does not apply the launch keeps f32 inputs.
   ScopedEnv env("LILY_CUDA_FAST_STAGE", "0");
   std::mt19937 rng(19);

@@ -273,9 +273,10 @@ __device__ __forceinline__ void put_pairs_x(float* smem, int chunks, int P0, int
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int P = P0 + j * n, c = P >> 2, i = P & 3;
-    // (m at least FLT_MIN: no reciprocal of 0 or of a subnormal, which
-    // takes the slow path.)
-    const float inv = m[j] > 0.f ? XC::kMax * __frcp_rn(fmaxf(m[j], FLT_MIN)) : 0.f;
+    // The scale from max(m, FLT_MIN) (no reciprocal of 0 or of a subnormal,
+    // which takes the slow path), the codes and the step alike.
+    const float mm = m[j] > 0.f ? fmaxf(m[j], FLT_MIN) : 0.f;
+    const float inv = mm > 0.f ? XC::kMax * __frcp_rn(mm) : 0.f;
     constexpr float kRound = 12582912.f;  // 1.5 * 2^23: its low 16 bits are the code
     const float e[8] = {a[2 * j].x, a[2 * j].y, a[2 * j].z, a[2 * j].w,
                         a[2 * j + 1].x, a[2 * j + 1].y, a[2 * j + 1].z, a[2 * j + 1].w};
@@ -301,7 +302,7 @@ __device__ __forceinline__ void put_pairs_x(float* smem, int chunks, int P0, int
     if (P < NPairs) {
       *reinterpret_cast<uint2*>(w + XC::quarter(c, i >> 1) * 4 + 2 * (i & 1)) = hi;
       if constexpr (XB == 16) *reinterpret_cast<uint2*>(w + XC::quarter(c, 2 + (i >> 1)) * 4 + 2 * (i & 1)) = lo;
-      if (i == 0) XC::meta(smem, chunks)[c] = make_float2(m[j] / (XC::kMax * 16.f), s[j]);
+      if (i == 0) XC::meta(smem, chunks)[c] = make_float2(mm / (XC::kMax * 16.f), s[j]);
     }
   }
 }
