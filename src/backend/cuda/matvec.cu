@@ -5,10 +5,12 @@
 // RMSNorm / gated RMSNorm), then streams whole rows: each warp owns two rows
 // at a time, each lane a 16-byte chunk of both rows per step, so every load is
 // 16 bytes wide and a warp reads 512 contiguous bytes of a row per
-// instruction. Codes are turned into floats in registers (one byte_perm:
-// q4 as 1/2 + q/256, q8 against 2^23), and an affine group contributes
-// scale * sum(q x) + bias * sum(x) with sum(x) of each chunk precomputed at
-// staging.
+// instruction. An affine group contributes scale * sum(q x) + bias * sum(x)
+// with sum(x) of each chunk precomputed at staging. q4 launches (by default,
+// MatvecParams::act_bits) stage the input as integer codes per chunk and take
+// sum(q code) on IDP.4A ("Integer inputs" below); otherwise codes are turned
+// into floats in registers (one byte_perm: q4 as 1/2 + q/256, q8 against
+// 2^23).
 #include <algorithm>
 #include <cfloat>
 #include <cstdlib>
