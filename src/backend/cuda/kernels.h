@@ -29,6 +29,8 @@ const char* qfmt_name(QFmt f);
 constexpr bool chunks_per_group_ok(QFmt f, int cpg) {
   return (f != QFmt::Q4 && f != QFmt::Q8) || (cpg > 0 && (cpg & (cpg - 1)) == 0);
 }
+// The integer-input widths the matvec kernels take (MatvecParams::act_bits).
+constexpr bool act_bits_ok(int bits) { return bits == 0 || bits == 8 || bits == 16; }
 
 // A matrix as the kernels read it (non-owning).
 struct DevMatView {

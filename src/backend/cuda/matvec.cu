@@ -222,10 +222,10 @@ __device__ __forceinline__ void put_piece(float* smem, float* xsum, int f, int N
 // the high part's 2 16-byte quarters first, then the low part's. The Q
 // quarters of chunk c sit at Q c + (j ^ ((c >> (3 - log2 Q)) & (Q - 1))), so
 // the 8 lanes of a quarter-warp (8 consecutive chunks) read 8 distinct bank
-// groups. Per chunk a float2: m / (Cmax * 16) and sum(x) (exact: the bias
-// term sees no rounding). Shared memory: the codes from byte 0 (16 Q bytes
-// per chunk), the float2s from float 4 Q chunks (inside the f32 staging area
-// of 32 floats per chunk).
+// groups. Per chunk a float2: the step over 16, max(m, FLT_MIN) / (Cmax *
+// 16), and sum(x) (exact: the bias term sees no rounding). Shared memory:
+// the codes from byte 0 (16 Q bytes per chunk), the float2s from float 4 Q
+// chunks (inside the f32 staging area of 32 floats per chunk).
 template <int XB>
 struct XCodes {
   static_assert(XB == 8 || XB == 16, "integer inputs: 8 or 16 bits");
@@ -1475,6 +1475,7 @@ void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
       return;
     }
   }
+  // (So LILY_CUDA_MV_MINBLOCKS=3 applies to f32 inputs only.)
   if constexpr (F == QFmt::Q4) {
     if (xb == 8) return launch_matvec_k(matvec_kernel<F, Route, true, 8>, F, p, s, pdl);
     if (xb == 16) return launch_matvec_k(matvec_kernel<F, Route, true, 16>, F, p, s, pdl);
@@ -1623,7 +1624,7 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
            ", group shift ", f.gshift, ") malformed");
   }
   if (p.zero_n < 0 || (p.zero_n > 0 && !p.zero_acc)) fail("matvec: ", p.zero_n, " words to zero without a buffer");
-  if (p.act_bits != 0 && p.act_bits != 8 && p.act_bits != 16) fail("matvec: ", p.act_bits, "-bit inputs (0, 8 or 16)");
+  if (!act_bits_ok(p.act_bits)) fail("matvec: ", p.act_bits, "-bit inputs (0, 8 or 16)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
@@ -1636,7 +1637,7 @@ void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("moe_down: ", p.chunks_per_group, " chunks per group (a power of two)");
-  if (p.act_bits != 0 && p.act_bits != 8 && p.act_bits != 16) fail("moe_down: ", p.act_bits, "-bit inputs (0, 8 or 16)");
+  if (!act_bits_ok(p.act_bits)) fail("moe_down: ", p.act_bits, "-bit inputs (0, 8 or 16)");
   switch (p.fmt) {
     case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_moe_down_t<QFmt::Q8>(p, s, pdl);
