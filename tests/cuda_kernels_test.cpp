@@ -12,6 +12,7 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_util.h"
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/prefill_glue.h"
 #include "backend/cuda/weights_upload.h"
 #include "core/thread_pool.h"
 #include "cuda_test_util.h"
@@ -856,26 +857,42 @@ TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
   }
 }
 
-// Attention over a random cache: GQA groups of 4, 8 and 12 heads, f32 and
-// bf16 caches (bf16 with head_dim 64 / 128 / 256 on tensor cores, and on the
-// CUDA-core loop with LILY_CUDA_ATTN_TC=0), short, split and long contexts
-// (n = 37 and 5000 leave partial 8-position steps); checks the written K/V
-// row too.
+// The host twin of the kernels' q8 row quantization (KvType::Q8): codes
+// (offset binary) and the scale of one row of n values.
+float kv_q8_quantize_ref(const float* x, int n, uint8_t* codes) {
+  float m = 0.f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(bf16_to_f32(f32_to_bf16(x[i]))));
+  const float inv = m > 0.f ? 127.f / m : 0.f;
+  for (int i = 0; i < n; ++i) {
+    const long c = std::lrint(bf16_to_f32(f32_to_bf16(x[i])) * inv);
+    codes[i] = static_cast<uint8_t>(std::clamp(c, -127l, 127l) + 128);
+  }
+  return m / 127.f;
+}
+
+// Attention over a random cache: GQA groups of 4, 8 and 12 heads, f32, bf16
+// and q8 caches (bf16 and q8 with head_dim 64 / 128 / 256 on tensor cores,
+// and on the CUDA-core loop with LILY_CUDA_ATTN_TC=0), short, split and long
+// contexts (n = 37 and 5000 leave partial 8-position steps, capacities leave
+// the q8 scale arrays' padding); checks the written K/V row too.
 TEST(CudaAttention, SplitDecodeMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
   struct Case { int hd, nh, nkv, rot; bool gated; };
   for (Case cs : {Case{32, 4, 2, 8, true}, Case{128, 32, 4, 128, false}, Case{256, 16, 2, 64, true},
                   Case{64, 24, 2, 32, true}, Case{256, 6, 2, 64, false}}) {
-    for (int mode : {0, 1, 2}) {  // f32 cache, bf16 cache, bf16 on the CUDA-core loop
-      const bool bf = mode != 0;
-      ScopedEnv env("LILY_CUDA_ATTN_TC", mode == 2 ? "0" : "1");
+    // f32 cache, bf16 cache, bf16 on the CUDA-core loop, q8, q8 on the CUDA-core loop
+    for (int mode : {0, 1, 2, 3, 4}) {
+      const bool bf = mode == 1 || mode == 2, q8 = mode >= 3;
+      ScopedEnv env("LILY_CUDA_ATTN_TC", mode == 2 || mode == 4 ? "0" : "1");
       // 140,000: RoPE angles past cosf / sinf's fast argument reduction.
       for (int n : {1, 37, 700, 5000, 140000}) {
-        if (n > 5000 && (cs.hd != 64 || mode != 1)) continue;
+        if (n > 5000 && (cs.hd != 64 || (mode != 1 && mode != 3))) continue;
         SCOPED_TRACE("hd " + std::to_string(cs.hd) + " nh " + std::to_string(cs.nh) + " n " +
-                     std::to_string(n) + (bf ? " bf16" : " f32") + (mode == 2 ? " cuda cores" : ""));
+                     std::to_string(n) + (q8 ? " q8" : bf ? " bf16" : " f32") +
+                     (mode == 2 || mode == 4 ? " cuda cores" : ""));
         const int hd = cs.hd, nh = cs.nh, nkv = cs.nkv, cap = n + 3, pos = n - 1;
+        const int sst = cuda::q8_scale_stride(cap);
         const int qhs = hd * (cs.gated ? 2 : 1);
         const auto qkv = random_vec(size_t(nh) * qhs + 2 * nkv * hd, rng, -2, 2);
         const auto qn = random_vec(hd, rng, 0.5f, 1.5f), kn = random_vec(hd, rng, 0.5f, 1.5f);
@@ -886,8 +903,27 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
         };
         round(kc);
         round(vc);
-        DeviceBuffer dk, dv;
-        if (bf) {
+        // q8: codes and scales of every row; kc / vc then hold their values.
+        std::vector<uint8_t> kq(kc.size()), vq(vc.size());
+        std::vector<float> ks(size_t(nkv) * sst, 1e30f), vs(size_t(nkv) * sst, 1e30f);  // padding: huge, masked
+        auto quantize_rows = [&](std::vector<float>& v, std::vector<uint8_t>& q, std::vector<float>& sc) {
+          for (int kh = 0; kh < nkv; ++kh)
+            for (int t = 0; t < cap; ++t) {
+              const size_t r = (size_t(kh) * cap + t) * hd;
+              const float st = kv_q8_quantize_ref(&v[r], hd, &q[r]);
+              sc[size_t(kh) * sst + t] = st;
+              for (int e = 0; e < hd; ++e) v[r + e] = (float(q[r + e]) - 128.f) * st;
+            }
+        };
+        DeviceBuffer dk, dv, dks, dvs;
+        if (q8) {
+          quantize_rows(kc, kq, ks);
+          quantize_rows(vc, vq, vs);
+          dk = to_device(kq);
+          dv = to_device(vq);
+          dks = to_device(ks);
+          dvs = to_device(vs);
+        } else if (bf) {
           std::vector<uint16_t> a(kc.size()), b(vc.size());
           for (size_t i = 0; i < a.size(); ++i) {
             a[i] = f32_to_bf16(kc[i]);
@@ -918,7 +954,12 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
         p.rotary_dim = cs.rot;
         p.k_cache = dk.get();
         p.v_cache = dv.get();
-        p.kv_bf16 = bf;
+        p.kv = q8 ? cuda::KvType::Q8 : bf ? cuda::KvType::BF16 : cuda::KvType::F32;
+        if (q8) {
+          p.k_scale = dks.as<float>();
+          p.v_scale = dvs.as<float>();
+          p.scale_stride = sst;
+        }
         p.capacity = cap;
         p.part_o = part_o.as<float>();
         p.part_ml = part_ml.as<float>();
@@ -946,6 +987,15 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
           for (int e = 0; e < hd; ++e) vnew[e] = qkv[size_t(nh) * qhs + size_t(nkv) * hd + kh * hd + e];
           round(knew);
           round(vnew);
+          if (q8) {
+            const size_t r = (size_t(kh) * cap + pos) * hd;
+            ks[size_t(kh) * sst + pos] = kv_q8_quantize_ref(knew.data(), hd, &kq[r]);
+            vs[size_t(kh) * sst + pos] = kv_q8_quantize_ref(vnew.data(), hd, &vq[r]);
+            for (int e = 0; e < hd; ++e) {
+              knew[e] = (float(kq[r + e]) - 128.f) * ks[size_t(kh) * sst + pos];
+              vnew[e] = (float(vq[r + e]) - 128.f) * vs[size_t(kh) * sst + pos];
+            }
+          }
           for (int e = 0; e < hd; ++e) {
             kc[(size_t(kh) * cap + pos) * hd + e] = knew[e];
             vc[(size_t(kh) * cap + pos) * hd + e] = vnew[e];
@@ -965,7 +1015,24 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
             for (int e = 0; e < hd; ++e) o[hh * hd + e] *= cpu::sigmoid(qkv[size_t(hh) * qhs + hd + e]);
         EXPECT_LT(rel_err(to_host<float>(out, o.size()), o), 2e-5);
         // The new row went into the cache.
-        if (bf) {
+        if (q8) {
+          // Codes equal the host's (one step apart where the device's
+          // normed row lands within an ulp of a rounding boundary).
+          const auto gk = to_host<uint8_t>(dk, kq.size()), gv = to_host<uint8_t>(dv, vq.size());
+          const auto gks = to_host<float>(dks, ks.size()), gvs = to_host<float>(dvs, vs.size());
+          int off = 0;
+          for (int kh = 0; kh < nkv; ++kh) {
+            const size_t r = (size_t(kh) * cap + pos) * hd;
+            for (int e = 0; e < hd; ++e) {
+              ASSERT_LE(std::abs(int(gk[r + e]) - int(kq[r + e])), 1) << "k code " << e;
+              ASSERT_EQ(gv[r + e], vq[r + e]) << "v code " << e;
+              off += gk[r + e] != kq[r + e];
+            }
+            ASSERT_NEAR(gks[size_t(kh) * sst + pos], ks[size_t(kh) * sst + pos], 1e-5f * ks[size_t(kh) * sst + pos]);
+            ASSERT_EQ(gvs[size_t(kh) * sst + pos], vs[size_t(kh) * sst + pos]);
+          }
+          EXPECT_LE(off, 2);
+        } else if (bf) {
           auto got = to_host<uint16_t>(dk, kc.size());
           for (int kh = 0; kh < nkv; ++kh)
             for (int e = 0; e < hd; ++e)
@@ -979,6 +1046,51 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
         }
       }
     }
+  }
+}
+
+// The prefill path's q8 rows: bf16 rows quantized into a q8 cache as the
+// decode step quantizes (host twin), their values written back, and rows
+// expanded from the cache to bf16; odd sizes, rows not starting at 0.
+TEST(CudaKvQ8, StoreAndExpandMatchHostTwin) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(29);
+  for (int hd : {32, 96, 256}) {
+    const int nkv = 3, cap = 45, src_cap = 41, p0 = 5, p1 = 40, sst = cuda::q8_scale_stride(cap);
+    SCOPED_TRACE("hd " + std::to_string(hd));
+    auto vals = random_vec(size_t(nkv) * src_cap * hd, rng, -3, 3);
+    for (int e = 0; e < hd; e += 7) vals[e] *= 40.f;  // rows with outliers
+    for (int e = 0; e < hd; ++e) vals[(size_t(1) * src_cap + 9) * hd + e] = 0.f;  // an all-zero row
+    std::vector<uint16_t> src(vals.size());
+    for (size_t i = 0; i < src.size(); ++i) src[i] = f32_to_bf16(vals[i]);
+    auto dsrc = to_device(src);
+    DeviceBuffer rows(size_t(nkv) * cap * hd), scales(size_t(nkv) * sst * 4);
+    LILY_CUDA(cudaMemset(rows.get(), 0, rows.bytes()));
+    LILY_CUDA(cudaMemset(scales.get(), 0, scales.bytes()));
+    const cuda::KvQ8Rows q{rows.as<uint8_t>(), scales.as<float>(), cap, sst};
+    cuda::launch_kv_q8_store(dsrc.as<uint16_t>(), src_cap, nkv, hd, p0, p1, q, nullptr);
+    auto dst = poisoned(size_t(nkv) * cap * hd / 2 + 1);  // bf16 [nkv][cap][hd]
+    cuda::launch_kv_q8_expand(q, nkv, hd, p0, p1, reinterpret_cast<uint16_t*>(dst.get()), cap, nullptr);
+    const auto gr = to_host<uint8_t>(rows, rows.bytes());
+    const auto gs = to_host<float>(scales, size_t(nkv) * sst);
+    const auto back = to_host<uint16_t>(dsrc, src.size());
+    const auto ex = to_host<uint16_t>(dst, size_t(nkv) * cap * hd);
+    std::vector<uint8_t> codes(hd);
+    for (int h = 0; h < nkv; ++h)
+      for (int t = 0; t < src_cap; ++t) {
+        std::vector<float> row(hd);
+        for (int e = 0; e < hd; ++e) row[e] = bf16_to_f32(src[(size_t(h) * src_cap + t) * hd + e]);
+        const bool in = t >= p0 && t < p1;
+        const float st = kv_q8_quantize_ref(row.data(), hd, codes.data());
+        ASSERT_EQ(gs[size_t(h) * sst + t], in ? st : 0.f) << "scale of head " << h << " row " << t;
+        for (int e = 0; e < hd; ++e) {
+          const size_t i = (size_t(h) * src_cap + t) * hd + e;
+          const float v = (float(codes[e]) - 128.f) * st;
+          ASSERT_EQ(gr[(size_t(h) * cap + t) * hd + e], in ? codes[e] : 0) << h << " " << t << " " << e;
+          ASSERT_EQ(back[i], in ? f32_to_bf16(v) : src[i]) << "written back, " << h << " " << t << " " << e;
+          if (in) ASSERT_EQ(ex[(size_t(h) * cap + t) * hd + e], f32_to_bf16(v)) << "expanded";
+        }
+      }
   }
 }
 

@@ -48,13 +48,13 @@ namespace {
 using test::fixture_dir;
 using test::load_reference;
 
-Backend& cuda_backend_for(const std::string& fixture, bool kv_bf16) {
+Backend& cuda_backend_for(const std::string& fixture, cuda::KvType kv) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture + (kv_bf16 ? "/bf16" : "/f32")];
+  auto& b = cache[fixture + "/" + cuda::kv_type_name(kv)];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
-    o.kv_bf16 = kv_bf16;
-    if (!kv_bf16) o.act_bits = 0;  // the f32 comparison runs f32 throughout
+    o.kv = kv;
+    if (kv == cuda::KvType::F32) o.act_bits = 0;  // the f32 comparison runs f32 throughout
     o.prefill = false;  // the prompt runs through the decode step too (prefill: tests below)
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
@@ -81,9 +81,9 @@ double row_err(const float* got, const float* want, int V) {
 
 class CudaModelFixture : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
-void teacher_forced(const std::string& fixture, const std::string& which, bool kv_bf16, double tol) {
+void teacher_forced(const std::string& fixture, const std::string& which, cuda::KvType kv, double tol) {
   auto ref = load_reference(fixture, which);
-  Backend& g = cuda_backend_for(fixture, kv_bf16);
+  Backend& g = cuda_backend_for(fixture, kv);
   Backend& c = cpu_backend_for(fixture);
   Sequence sg(g, 4096), sc(c, 4096);
   auto lg = sg.append(ref.prompt);
@@ -100,19 +100,28 @@ void teacher_forced(const std::string& fixture, const std::string& which, bool k
     lc = sc.append(std::span<const int>(&ref.generated[i], 1));
   }
   std::printf("[ cuda     ] %s/%s kv %s: max rel err vs reference %.2e, vs cpu %.2e\n", fixture.c_str(),
-              which.c_str(), kv_bf16 ? "bf16" : "f32", worst_ref, worst_cpu);
+              which.c_str(), cuda::kv_type_name(kv), worst_ref, worst_cpu);
 }
 
 TEST_P(CudaModelFixture, TeacherForcedDecodeF32Kv) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
-  teacher_forced(fixture, which, false, 2e-4);
+  teacher_forced(fixture, which, cuda::KvType::F32, 2e-4);
 }
 
 TEST_P(CudaModelFixture, TeacherForcedDecodeBf16Kv) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
-  teacher_forced(fixture, which, true, 3e-2);
+  teacher_forced(fixture, which, cuda::KvType::BF16, 3e-2);
+}
+
+// 8-bit KV rows: each cached value within half a step (max |row| / 254) of
+// its bf16 value, i.e. ~0.4% of the row's largest; on these tiny models
+// that moves the logits by TBD (measured below, the bound leaves 2x).
+TEST_P(CudaModelFixture, TeacherForcedDecodeQ8Kv) {
+  LILY_SKIP_WITHOUT_GPU();
+  auto [fixture, which] = GetParam();
+  teacher_forced(fixture, which, cuda::KvType::Q8, 1e-1);
 }
 
 // Every prompt position, run through the decode step token by token.
@@ -120,7 +129,7 @@ TEST_P(CudaModelFixture, PromptLogitsMatchReference) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
   auto ref = load_reference(fixture, which);
-  Backend& g = cuda_backend_for(fixture, false);
+  Backend& g = cuda_backend_for(fixture, cuda::KvType::F32);
   Sequence s(g, 4096);
   auto all = s.append(ref.prompt, LogitsMode::All);
   double worst = 0;
@@ -177,12 +186,12 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
   return r;
 }
 
-Backend& cuda_prefill_backend(const std::string& fixture, int chunk) {
+Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture + "/" + std::to_string(chunk)];
+  auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv)];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
-    o.kv_bf16 = true;
+    o.kv = kv;
     o.prefill = true;
     o.prefill_chunk = chunk;
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
@@ -200,12 +209,14 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
   const int strict = fixture == "qwen3" ? n : 0;
   Sequence sc(cpu_backend_for(fixture), 4096);
   const auto want = sc.append(ref.prompt, LogitsMode::All);
-  for (int chunk : {4096, 7}) {
-    auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk));
+  for (auto [chunk, kv] : {std::pair{4096, cuda::KvType::BF16}, std::pair{7, cuda::KvType::BF16},
+                           std::pair{7, cuda::KvType::Q8}}) {
+    auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk, kv));
     ASSERT_TRUE(g.prefill_enabled()) << g.prefill_disabled_reason();
     Sequence s(g, 4096);
     const auto all = s.append(ref.prompt, LogitsMode::All);
-    const std::string what = fixture + "/" + which + " chunk " + std::to_string(chunk);
+    const std::string what =
+        fixture + "/" + which + " chunk " + std::to_string(chunk) + " kv " + cuda::kv_type_name(kv);
     const RowsCheck r = check_rows(all.data(), want.data(), n, V, strict, what + " vs cpu");
     check_rows(all.data(), ref.prefill_logits.data(), n, V, strict, what + " vs reference");
     // LastOnly gives the last row (through the f32 lm_head matvec).
@@ -228,7 +239,8 @@ TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
   auto ref = load_reference(fixture, which);
   const int V = ref.vocab, n = static_cast<int>(ref.prompt.size());
   const int steps = static_cast<int>(ref.generated.size());
-  Backend& g = cuda_prefill_backend(fixture, 7);
+  for (cuda::KvType kv : {cuda::KvType::BF16, cuda::KvType::Q8}) {
+  Backend& g = cuda_prefill_backend(fixture, 7, kv);
   Backend& c = cpu_backend_for(fixture);
   Sequence sg(g, 4096), sc(c, 4096);
   std::vector<float> got, want;
@@ -240,7 +252,7 @@ TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
     lg = sg.append(std::span<const int>(&ref.generated[i], 1));
     lc = sc.append(std::span<const int>(&ref.generated[i], 1));
   }
-  const std::string what = fixture + "/" + which;
+  const std::string what = fixture + "/" + which + " kv " + cuda::kv_type_name(kv);
   const RowsCheck r = check_rows(got.data(), want.data(), steps, V, fixture == "qwen3" ? steps : 0,
                                  what + " prefill + decode vs cpu");
   if (n >= 8) {
@@ -260,6 +272,7 @@ TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
   }
   std::printf("[ cuda     ] %s prefill (chunks of 7) + decode vs cpu: max %.2e, mean %.2e, argmax %.0f%% of %d\n",
               what.c_str(), r.worst, r.mean, 100 * r.agree, r.compared);
+  }
 }
 
 TEST_P(CudaModelFixture, GreedyTokensMatchCpu) {
@@ -270,13 +283,13 @@ TEST_P(CudaModelFixture, GreedyTokensMatchCpu) {
   const int n = static_cast<int>(ref.generated.size());
   Sequence sc(cpu_backend_for(fixture), 4096);
   const auto want = generate_greedy(sc, ref.prompt, n, {});
-  for (bool bf : {false, true}) {
-    Sequence sg(cuda_backend_for(fixture, bf), 4096);
-    EXPECT_EQ(generate_greedy(sg, ref.prompt, n, {}), want) << (bf ? "bf16 kv" : "f32 kv");
+  for (cuda::KvType kv : {cuda::KvType::F32, cuda::KvType::BF16, cuda::KvType::Q8}) {
+    Sequence sg(cuda_backend_for(fixture, kv), 4096);
+    EXPECT_EQ(generate_greedy(sg, ref.prompt, n, {}), want) << cuda::kv_type_name(kv) << " kv";
   }
   // The same continuation chosen on the device (argmax fed back, no host
   // round trip): after feeding generated[0..n-2], the argmax is generated[n-1].
-  auto& g = static_cast<cuda::CudaBackend&>(cuda_backend_for(fixture, false));
+  auto& g = static_cast<cuda::CudaBackend&>(cuda_backend_for(fixture, cuda::KvType::F32));
   auto cache = g.new_cache(4096);
   std::vector<float> logits(ref.vocab);
   g.forward(*cache, ref.prompt, LogitsMode::LastOnly, logits.data());
@@ -292,7 +305,9 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, CudaModelFixture, test::fixture_cases(), test
 TEST(CudaModel, CacheGrowthAndSnapshots) {
   LILY_SKIP_WITHOUT_GPU();
   auto ref = load_reference("qwen3_5_moe", "long");
-  Backend& g = cuda_backend_for("qwen3_5_moe", false);
+  for (cuda::KvType kv : {cuda::KvType::F32, cuda::KvType::Q8}) {
+  SCOPED_TRACE(cuda::kv_type_name(kv));
+  Backend& g = cuda_backend_for("qwen3_5_moe", kv);
   const int V = ref.vocab;
   auto big = g.new_cache(4096), small = g.new_cache(1);
   std::vector<float> a(V), b(V);
@@ -307,6 +322,7 @@ TEST(CudaModel, CacheGrowthAndSnapshots) {
   g.forward(*snap, std::span<const int>(ref.prompt.data() + 40, 3), LogitsMode::All, c2.data());
   EXPECT_EQ(c1, c2);
   EXPECT_EQ(snap->n_past(), 43);
+  }
 }
 
 // The step trace (lily bench --trace): one entry per launch of the step, in
@@ -314,7 +330,7 @@ TEST(CudaModel, CacheGrowthAndSnapshots) {
 TEST(CudaModel, StepTraceCoversEveryLaunch) {
   LILY_SKIP_WITHOUT_GPU();
   auto ref = load_reference("qwen3_5_moe", "short");
-  auto& g = dynamic_cast<cuda::CudaBackend&>(cuda_backend_for("qwen3_5_moe", true));
+  auto& g = dynamic_cast<cuda::CudaBackend&>(cuda_backend_for("qwen3_5_moe", cuda::KvType::BF16));
   auto cache = g.new_cache(64);
   std::vector<float> lg(ref.vocab);
   for (int t = 0; t < 4; ++t)

@@ -15,10 +15,19 @@ std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "
 std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
                                       const BackendOptions& options) {
   const std::string kind = options.kind == "auto" ? default_backend_kind() : options.kind;
-  if (kind == "cpu") return make_cpu_backend(std::move(weights), options.threads);
+  const std::string& kv = options.kv_cache;
+  if (!kv.empty() && kv != "bf16" && kv != "q8" && kv != "f32")
+    fail("KV cache type '", kv, "': expected bf16, q8 or f32");
+  if (kind == "cpu") {
+    if (!kv.empty() && kv != "f32" && options.kind == "cpu")
+      fail("KV cache type '", kv, "': the cpu backend keeps an f32 KV cache");
+    return make_cpu_backend(std::move(weights), options.threads);
+  }
   if (kind == "cuda") {
 #ifdef LILY_HAVE_CUDA
-    return cuda::make_cuda_backend(std::move(weights), cuda::options_from_env());
+    cuda::CudaOptions o = cuda::options_from_env();
+    if (!kv.empty()) cuda::parse_kv_type(kv, o.kv);
+    return cuda::make_cuda_backend(std::move(weights), o);
 #else
     fail("backend 'cuda' is not available: lily was built without CUDA (nvcc not found)");
 #endif

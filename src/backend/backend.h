@@ -46,6 +46,10 @@ class Backend {
 struct BackendOptions {
   std::string kind = "cpu";
   int threads = 0;  // 0: all hardware threads
+  // KV cache rows: "bf16", "q8" or "f32" (cuda; the cpu backend keeps f32 and
+  // refuses another type when asked for by name, ignores it under "auto").
+  // Empty: the backend's default (cuda: LILY_CUDA_KV, else bf16).
+  std::string kv_cache;
 };
 
 // Takes ownership of the weights.

@@ -177,8 +177,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
                                   const std::string& kv) {
   cuda::CudaOptions opt = cuda::options_from_env();
   if (!kv.empty()) {
-    if (kv != "bf16" && kv != "f32") fail("--kv: expected bf16 or f32");
-    opt.kv_bf16 = kv == "bf16";
+    if (!cuda::parse_kv_type(kv, opt.kv)) fail("--kv '", kv, "': expected bf16, q8 or f32");
   }
   opt.seed = s.seed;
   const auto t0 = std::chrono::steady_clock::now();
@@ -190,7 +189,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   j["device"] = cuda::device_name();
   j["model"] = s.model_desc;
   j["backend"] = "cuda";
-  j["kv_dtype"] = opt.kv_bf16 ? "bf16" : "f32";
+  j["kv_dtype"] = cuda::kv_type_name(opt.kv);
   j["q4_matvec_inputs"] = opt.act_bits ? "int" + std::to_string(opt.act_bits) : std::string("f32");
   j["pdl"] = opt.pdl;
   j["graphs"] = opt.graphs;
@@ -218,7 +217,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,
               b->step_launches());
   std::printf("device-to-device copy: %.0f GB/s (read + write)   kv cache: %s   q4 matvec inputs: %s   load: %.1f s\n\n",
-              copy_gbs, opt.kv_bf16 ? "bf16" : "f32", j["q4_matvec_inputs"].get<std::string>().c_str(), load_s);
+              copy_gbs, cuda::kv_type_name(opt.kv), j["q4_matvec_inputs"].get<std::string>().c_str(), load_s);
   std::printf("%8s %9s %9s %9s %9s %7s %9s %8s\n", "ctx", "tok/s", "ms/tok", "GB/tok", "GB/s", "%copy",
               "peak GiB", "SM MHz");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();

@@ -58,6 +58,8 @@ server::ModelLoadOptions model_load_options(const Args& a) {
   if (lo.tokenizer_dir.empty()) lo.tokenizer_dir = bundled_fixture("tokenizer");
   lo.backend.kind = a.str("--backend", "auto");
   lo.backend.threads = static_cast<int>(a.integer("--threads", 0, 0, 1024));
+  lo.backend.kv_cache = a.str("--kv-cache");
+  lo.quantize = a.str("--quantize");
   return lo;
 }
 

@@ -22,7 +22,8 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-const std::set<std::string> kModelFlags = {"--model", "--tokenizer", "--backend", "--threads"};
+const std::set<std::string> kModelFlags = {"--model", "--tokenizer", "--backend", "--threads", "--kv-cache",
+                                           "--quantize"};
 
 std::set<std::string> with(std::set<std::string> a, std::initializer_list<std::string> b) {
   a.insert(b);

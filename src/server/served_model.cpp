@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/mapped_file.h"
+#include "model/quantize.h"
 #include "model/weights.h"
 
 namespace lily::server {
@@ -90,6 +91,7 @@ ServedModel load_served_model(const ModelLoadOptions& o) {
     t0 = Clock::now();
     say("loading weights from " + o.model_dir);
     auto weights = load_model(o.model_dir);
+    if (!o.quantize.empty()) quantize_model(*weights, parse_quantize_option(o.quantize));
     say(str_cat("  ", arch_name(cfg.arch), ", ", cfg.num_layers, " layers, hidden ",
                 cfg.hidden_size, ", vocabulary ", cfg.vocab_size, " (",
                 std::chrono::duration<double>(Clock::now() - t0).count(), " s)"));

@@ -36,6 +36,9 @@ struct ModelLoadOptions {
   // directory has none. Empty: nowhere else.
   std::string tokenizer_dir;
   BackendOptions backend;
+  // Non-empty: quantize a bf16 checkpoint at load ("q4" / "q8", see
+  // model/quantize.h).
+  std::string quantize;
   // false: tokenizer, template and generation config only (no backend), for
   // the text tools (lily tokenize / detokenize / template).
   bool load_weights = true;

@@ -32,12 +32,28 @@ __host__ __device__ inline int split_len(int n, int max_splits, int min_split) {
   return per < min_split ? min_split : per;
 }
 
-template <int DPL, bool BF>
+// KT: the cache's KvType as an int (0 f32, 1 bf16, 2 q8).
+template <int DPL, int KT>
 struct KvRow {
-  static constexpr int W = BF ? (DPL >= 2 ? DPL / 2 : 1) : DPL;
+  static constexpr bool BF = KT == 1, Q8 = KT == 2;
+  static constexpr int W = Q8 ? (DPL + 3) / 4 : BF ? (DPL >= 2 ? DPL / 2 : 1) : DPL;
   uint32_t r[W];
-  __device__ __forceinline__ void load(const void* base, size_t elem) {
-    if constexpr (BF) {
+  float s;  // q8: the row's scale
+  __device__ __forceinline__ void load(const void* base, size_t elem, const float* scale) {
+    if constexpr (Q8) {
+      const uint8_t* p = static_cast<const uint8_t*>(base) + elem;
+      s = *scale;
+      if constexpr (DPL == 8) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        r[0] = v.x; r[1] = v.y;
+      } else if constexpr (DPL == 4) {
+        r[0] = *reinterpret_cast<const uint32_t*>(p);
+      } else if constexpr (DPL == 2) {
+        r[0] = *reinterpret_cast<const uint16_t*>(p);
+      } else {
+        r[0] = *p;
+      }
+    } else if constexpr (BF) {
       const uint16_t* p = static_cast<const uint16_t*>(base) + elem;
       if constexpr (DPL == 8) {
         const uint4 v = *reinterpret_cast<const uint4*>(p);
@@ -68,10 +84,13 @@ struct KvRow {
   }
   __device__ __forceinline__ void zero() {
 #pragma unroll
-    for (int i = 0; i < W; ++i) r[i] = 0;
+    for (int i = 0; i < W; ++i) r[i] = Q8 ? 0x80808080u : 0u;
+    s = 0.f;
   }
   __device__ __forceinline__ float get(int d) const {
-    if constexpr (BF) {
+    if constexpr (Q8) {
+      return (static_cast<float>((r[d >> 2] >> (8 * (d & 3))) & 0xFFu) - 128.f) * s;
+    } else if constexpr (BF) {
       if constexpr (DPL == 1) return __uint_as_float(r[0] << 16);
       else return (d & 1) ? __uint_as_float(r[d >> 1] & 0xFFFF0000u) : __uint_as_float(r[d >> 1] << 16);
     } else {
@@ -146,7 +165,16 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
 // The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
 // {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
 // head g, written over the staged queries qs (read first, then a barrier).
-template <int HD>
+// With a q8 cache the fragments are f16 and a k-step's dims are permuted to
+// match the K operand (q8_frag_b below): {hi (dims 4t, 4t + 1), lo (same),
+// hi (dims 4t + 2, 4t + 3), lo (same)}.
+__device__ __forceinline__ void split_f16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x0, x1);
+  const __half2 l = __floats2half2_rn(x0 - __low2float(h), x1 - __high2float(h));
+  memcpy(&hi, &h, 4);
+  memcpy(&lo, &l, 4);
+}
+template <int HD, int KT>
 __device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
   constexpr int NF = (HD / 16) * 32, NE = (NF + kAttnThreads - 1) / kAttnThreads;
   uint4 f[NE];
@@ -155,9 +183,15 @@ __device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int ti
     const int idx = tid + u * kAttnThreads;
     if (idx < NF) {
       const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
-      const float* q = qs + g * HD + 16 * j + 2 * t;
-      split_bf16(q[0], q[1], f[u].x, f[u].y);
-      split_bf16(q[8], q[9], f[u].z, f[u].w);
+      if constexpr (KT == 2) {
+        const float* q = qs + g * HD + 16 * j + 4 * t;
+        split_f16(q[0], q[1], f[u].x, f[u].y);
+        split_f16(q[2], q[3], f[u].z, f[u].w);
+      } else {
+        const float* q = qs + g * HD + 16 * j + 2 * t;
+        split_bf16(q[0], q[1], f[u].x, f[u].y);
+        split_bf16(q[8], q[9], f[u].z, f[u].w);
+      }
     }
   }
   __syncthreads();
@@ -238,20 +272,159 @@ __device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, con
   }
 }
 
+// ---- the q8 cache on tensor cores ---------------------------------------------
+// A slot holds [K 8][HD] code bytes, [V 8][HD], then the 8 K scales and the 8 V
+// scales (f32). Rows are 16-byte pieces, piece c of row r at c ^ ((r >> LS) & M)
+// (rows of HD bytes: at HD = 64 two rows share a 128-byte line, LS = 1), so the
+// 8 rows an ldmatrix phase reads hit distinct bank groups.
+template <int HD>
+struct Q8Tile {
+  static constexpr int PR = HD / 16;
+  static constexpr int M = (PR < 8 ? PR : 8) - 1;
+  static constexpr int LS = PR >= 8 ? 0 : (PR == 4 ? 1 : 2);
+  static constexpr int kv = 8 * HD;      // bytes of one matrix
+  static constexpr int scales = 16 * HD;  // byte offset of the K scales
+  __device__ static __forceinline__ int off(int r, int c) { return r * HD + ((c ^ ((r >> LS) & M)) << 4); }
+};
+static_assert(16 * 64 + 64 <= 32 * 64, "a q8 slot fits in a bf16 slot");
+
+// Two offset-binary code bytes of w (selected by sel) as an f16x2 of the
+// codes: bytes under 0x64 read 1024 + u, minus 1152 exactly.
+__device__ __forceinline__ uint32_t q8_pair_f16(uint32_t w, uint32_t sel) {
+  const uint32_t h = __byte_perm(w, 0x64646464u, sel);
+  __half2 x;
+  memcpy(&x, &h, 4);
+  x = __hsub2(x, __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
+  uint32_t r;
+  memcpy(&r, &x, 4);
+  return r;
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Rows b .. b + 7 of K and V and their scales into a slot; rows at or past p1
+// are zero-filled (their scales: whole 4-row pieces past p1; the rest of a
+// piece is masked by the step).
+template <int HD>
+__device__ __forceinline__ void tc_issue_q8(uint8_t* dst, const uint8_t* kc, const uint8_t* vc, const float* ks,
+                                            const float* vs, int b, int p1, int lane) {
+  using T = Q8Tile<HD>;
+#pragma unroll
+  for (int k = 0; k < HD / 64; ++k) {
+    const int c = lane + 32 * k, r = c / T::PR, col = c % T::PR;
+    const int row = b + r;
+    const int ok = row < p1 ? 16 : 0;
+    const size_t src = size_t(ok ? row : b) * HD + col * 16;
+    const int off = T::off(r, col);
+    cp_async16(dst + off, kc + src, ok);
+    cp_async16(dst + T::kv + off, vc + src, ok);
+  }
+  if (lane < 4) {
+    const int half = lane & 1, row = b + 4 * half;
+    cp_async16(dst + T::scales + 16 * lane, ((lane & 2) ? vs : ks) + (row < p1 ? row : b), row < p1 ? 16 : 0);
+  }
+}
+
+// One step of 8 positions from a q8 slot. Scores: per 16 dims one ldmatrix
+// 8x8 (b16) of K codes gives lane (g, t) dims 4t .. 4t + 3 of position g,
+// i.e. the B operand of one f16 m16n8k16 under the permuted k order of the
+// q fragments; times the row's scale. P V: one ldmatrix.trans 8x8 gives dims
+// 2g and 2g + 1 of positions 2t, 2t + 1, the A operand of one mma whose rows
+// are dims 2g (rows 0-7) and 2g + 1 (rows 8-15); P carries the V scales.
+template <int HD>
+__device__ __forceinline__ void tc_step_q8(TcState<HD>& st, const uint8_t* slot, const uint4* qf, int b, int p1,
+                                           float scale, int lane) {
+  using T = Q8Tile<HD>;
+  const int t = lane & 3, mi = lane >> 3, r = lane & 7;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < HD / 16; j += 4) {
+    uint32_t kb[4];
+    ldmatrix_x4(kb, slot + T::off(r, j + mi));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint4 a = qf[(j + u) * 32 + lane];
+      const uint32_t fa[4] = {a.x, a.y, a.z, a.w};
+      mma_f16(c, fa, q8_pair_f16(kb[u], 0x4140), q8_pair_f16(kb[u], 0x4342));
+    }
+  }
+  const float* sc = reinterpret_cast<const float*>(slot + T::scales);
+  const float2 sk = *reinterpret_cast<const float2*>(sc + 2 * t);
+  const float2 sv = *reinterpret_cast<const float2*>(sc + 8 + 2 * t);
+  const int pa = b + 2 * t;
+  const float s0 = pa < p1 ? (c[0] + c[2]) * sk.x * scale : -INFINITY;
+  const float s1 = pa + 1 < p1 ? (c[1] + c[3]) * sk.y * scale : -INFINITY;
+  float mx = fmaxf(s0, s1);
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(st.m, mx);
+  const float alpha = expf(st.m - m_new);
+  const float e0 = expf(s0 - m_new), e1 = expf(s1 - m_new);
+  st.l = fmaf(st.l, alpha, e0 + e1);
+  st.m = m_new;
+  if (__any_sync(0xffffffffu, alpha != 1.f)) {
+    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+    for (int m = 0; m < HD / 16; ++m) {
+      st.acc[m][0] *= a_lo;
+      st.acc[m][1] *= a_hi;
+      st.acc[m][2] *= a_lo;
+      st.acc[m][3] *= a_hi;
+    }
+  }
+  uint32_t phi, plo;
+  split_f16(pa < p1 ? e0 * sv.x : 0.f, pa + 1 < p1 ? e1 * sv.y : 0.f, phi, plo);
+#pragma unroll
+  for (int m = 0; m < HD / 16; m += 4) {
+    uint32_t va[4];
+    ldmatrix_x4_trans(va, slot + T::kv + T::off(r, m + mi));
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const uint32_t ev = q8_pair_f16(va[u], 0x4240), od = q8_pair_f16(va[u], 0x4341);
+      const uint32_t f[4] = {ev, od, ev, od};
+      mma_f16(st.acc[m + u], f, phi, plo);
+    }
+  }
+}
+
+// A head's cache as the tensor-core loop reads it.
+struct TcSrc {
+  const void* k;
+  const void* v;
+  const float* ks;  // q8 scales
+  const float* vs;
+};
+template <int HD, int KT>
+__device__ __forceinline__ void tc_issue_any(char* dst, const TcSrc& src, int b, int p1, int lane) {
+  if constexpr (KT == 2)
+    tc_issue_q8<HD>(reinterpret_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src.k),
+                    static_cast<const uint8_t*>(src.v), src.ks, src.vs, b, p1, lane);
+  else
+    tc_issue<HD>(reinterpret_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src.k),
+                 static_cast<const uint16_t*>(src.v), b, p1, lane);
+}
+
 // The warp's first kTcStages - 1 steps, each its own cp.async group, as far
 // as they end before `pos` (the new row, written after the wait): called
 // before the wait, it returns how many went out.
 constexpr int kTcStride = kAttnWarps * 8, kTcSlot = 16;  // positions between a warp's steps; slot: 16 HD bf16
-template <int HD>
-__device__ __forceinline__ int tc_prefetch(const uint16_t* kc, const uint16_t* vc, uint16_t* ring, int p0, int p1,
-                                           int pos, int warp, int lane) {
-  uint16_t* my = ring + size_t(warp) * kTcStages * kTcSlot * HD;
+constexpr int kTcSlotBytes = kTcSlot * 2;  // per HD
+template <int HD, int KT>
+__device__ __forceinline__ int tc_prefetch(const TcSrc& src, char* ring, int p0, int p1, int pos, int warp,
+                                           int lane) {
+  char* my = ring + size_t(warp) * kTcStages * kTcSlotBytes * HD;
   const int b0 = p0 + warp * 8;
   int k = 0;
   for (; k < kTcStages - 1; ++k) {
     const int b = b0 + k * kTcStride;
     if (b >= p1 || (b <= pos && pos < min(b + 8, p1))) break;
-    tc_issue<HD>(my + k * kTcSlot * HD, kc, vc, b, p1, lane);
+    tc_issue_any<HD, KT>(my + k * kTcSlotBytes * HD, src, b, p1, lane);
     cp_async_commit();
   }
   return k;
@@ -261,9 +434,9 @@ __device__ __forceinline__ int tc_prefetch(const uint16_t* kc, const uint16_t* v
 // `issued` steps already requested); leaves (max, sum) per head and the
 // unnormalised output in mml / macc as the CUDA-core loop does (after a block
 // barrier: the ring overlaps macc).
-template <int HD>
-__device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const uint4* qf, uint16_t* ring,
-                                  float* macc, float* mml, int p0, int p1, int issued, int warp, int lane) {
+template <int HD, int KT>
+__device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, char* ring, float* macc, float* mml, int p0,
+                                  int p1, int issued, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   TcState<HD> st;
@@ -271,21 +444,26 @@ __device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const 
   for (int m = 0; m < HD / 16; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
   st.m = -INFINITY;
   st.l = 0.f;
-  constexpr int kStride = kTcStride, kSlot = kTcSlot * HD;  // bf16 elements per slot (K and V)
-  uint16_t* my = ring + size_t(warp) * kTcStages * kSlot;
+  constexpr int kStride = kTcStride, kSlot = kTcSlotBytes * HD;  // bytes per slot
+  char* my = ring + size_t(warp) * kTcStages * kSlot;
   const int b0 = p0 + warp * 8;
   const int nt = b0 < p1 ? (p1 - b0 + kStride - 1) / kStride : 0;
   for (int k = issued; k < kTcStages - 1; ++k) {  // the first steps not requested before the wait
-    if (k < nt) tc_issue<HD>(my + k * kSlot, kc, vc, b0 + k * kStride, p1, lane);
+    if (k < nt) tc_issue_any<HD, KT>(my + k * kSlot, src, b0 + k * kStride, p1, lane);
     cp_async_commit();
   }
   for (int k = 0; k < nt; ++k) {
     const int kn = k + kTcStages - 1;
-    if (kn < nt) tc_issue<HD>(my + (kn % kTcStages) * kSlot, kc, vc, b0 + kn * kStride, p1, lane);
+    if (kn < nt) tc_issue_any<HD, KT>(my + (kn % kTcStages) * kSlot, src, b0 + kn * kStride, p1, lane);
     cp_async_commit();
     cp_async_wait<kTcStages - 1>();
     __syncwarp();
-    tc_step<HD>(st, my + (k % kTcStages) * kSlot, qf, b0 + k * kStride, p1, scale, lane);
+    if constexpr (KT == 2)
+      tc_step_q8<HD>(st, reinterpret_cast<const uint8_t*>(my + (k % kTcStages) * kSlot), qf, b0 + k * kStride, p1,
+                     scale, lane);
+    else
+      tc_step<HD>(st, reinterpret_cast<const uint16_t*>(my + (k % kTcStages) * kSlot), qf, b0 + k * kStride, p1,
+                  scale, lane);
     __syncwarp();  // the slot is refilled next step
   }
   cp_async_wait<0>();
@@ -296,18 +474,20 @@ __device__ void attention_tc_loop(const uint16_t* kc, const uint16_t* vc, const 
     mml[(warp * kAttnHeads + g) * 2] = st.m;
     mml[(warp * kAttnHeads + g) * 2 + 1] = l;
   }
+  // Tile m's rows: dims 16m + g and 16m + 8 + g (bf16), 16m + 2g and 16m + 2g + 1 (q8).
+  constexpr int d0 = KT == 2 ? 2 : 1, d1 = KT == 2 ? 1 : 8;
 #pragma unroll
   for (int m = 0; m < HD / 16; ++m) {
-    float* o0 = macc + (warp * kAttnHeads + 2 * t) * HD + 16 * m + g;
+    float* o0 = macc + (warp * kAttnHeads + 2 * t) * HD + 16 * m + d0 * g;
     float* o1 = o0 + HD;
     o0[0] = st.acc[m][0];
     o1[0] = st.acc[m][1];
-    o0[8] = st.acc[m][2];
-    o1[8] = st.acc[m][3];
+    o0[d1] = st.acc[m][2];
+    o1[d1] = st.acc[m][3];
   }
 }
 
-template <int HD, bool BF, bool TC>
+template <int HD, int KT, bool TC>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int DPL = HD / 32;
   trace_mark(p.trace, 0);
@@ -326,8 +506,13 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   extern __shared__ __align__(16) float sm[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t head_base = size_t(kvh) * p.capacity * HD;
-  char* kc = static_cast<char*>(p.k_cache) + head_base * (BF ? 2 : 4);
-  char* vc = static_cast<char*>(p.v_cache) + head_base * (BF ? 2 : 4);
+  constexpr bool BF = KT == 1, Q8 = KT == 2;
+  constexpr int ES = Q8 ? 1 : BF ? 2 : 4;
+  char* kc = static_cast<char*>(p.k_cache) + head_base * ES;
+  char* vc = static_cast<char*>(p.v_cache) + head_base * ES;
+  float* ksc = Q8 ? p.k_scale + size_t(kvh) * p.scale_stride : nullptr;
+  float* vsc = Q8 ? p.v_scale + size_t(kvh) * p.scale_stride : nullptr;
+  const TcSrc src{kc, vc, ksc, vsc};
   float* qs = sm;  // [8][HD]
   float* macc = qs + kAttnHeads * HD;                // [warps][8][HD]
   float* knorm = macc;                               // scratch until the merge
@@ -339,8 +524,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     knorm = sm + TcSmem<HD>::knorm;
     mml = sm + TcSmem<HD>::mml;
     if (p.prefetch)
-      issued = tc_prefetch<HD>(reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
-                               reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::ring), p0, p1, pos, warp, lane);
+      issued = tc_prefetch<HD, KT>(src, reinterpret_cast<char*>(sm + TcSmem<HD>::ring), p0, p1, pos, warp, lane);
   }
   float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
   float* aw = pw + kAttnWarps * 32;                // [warps][8]
@@ -388,7 +572,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     for (int d = 0; d < DPL; ++d) knorm[lane + 32 * d] = v[d] * inv * p.k_norm[lane + 32 * d];
   }
   if (writer && warp == 1) {
-    for (int e = lane; e < HD; e += 32) {
+    if constexpr (Q8) q8_store_row_warp(vnew, HD, reinterpret_cast<uint8_t*>(vc) + size_t(pos) * HD, vsc + pos, lane);
+    else for (int e = lane; e < HD; e += 32) {
       const float v = vnew[e];
       if constexpr (BF) reinterpret_cast<uint16_t*>(vc)[size_t(pos) * HD + e] = to_bf16_bits(v);
       else reinterpret_cast<float*>(vc)[size_t(pos) * HD + e] = v;
@@ -422,8 +607,10 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     x[i + half] = x2 * c + x1 * s;
   }
   __syncthreads();
-  if constexpr (TC) build_q_frags<HD>(qs, reinterpret_cast<uint4*>(qs), tid);
-  if (writer) {
+  if constexpr (TC) build_q_frags<HD, KT>(qs, reinterpret_cast<uint4*>(qs), tid);
+  if constexpr (Q8) {
+    if (writer && warp == 0) q8_store_row_warp(knorm, HD, reinterpret_cast<uint8_t*>(kc) + size_t(pos) * HD, ksc + pos, lane);
+  } else if (writer) {
     for (int e = tid; e < HD; e += kAttnThreads) {
       if constexpr (BF) reinterpret_cast<uint16_t*>(kc)[size_t(pos) * HD + e] = to_bf16_bits(knorm[e]);
       else reinterpret_cast<float*>(kc)[size_t(pos) * HD + e] = knorm[e];
@@ -433,9 +620,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   trace_mark(p.trace, 2);
 
   if constexpr (TC) {
-    attention_tc_loop<HD>(reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
-                          reinterpret_cast<const uint4*>(qs), reinterpret_cast<uint16_t*>(sm + TcSmem<HD>::ring),
-                          macc, mml, p0, p1, issued, warp, lane);
+    attention_tc_loop<HD, KT>(src, reinterpret_cast<const uint4*>(qs), reinterpret_cast<char*>(sm + TcSmem<HD>::ring),
+                              macc, mml, p0, p1, issued, warp, lane);
   } else {
     const float scale = 1.f / sqrtf(static_cast<float>(HD));
     float acc[kAttnHeads][DPL];
@@ -446,13 +632,13 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     float m_run = -INFINITY, l_run = 0.f;  // for head (lane & 7)
     const int my_j = lane >> 3, my_h = lane & 7;
     // K/V rows of the next step are loaded while this step computes.
-    KvRow<DPL, BF> kr[kAttnPos], vr[kAttnPos], kn[kAttnPos], vn[kAttnPos];
-    auto load_rows = [&](int b, KvRow<DPL, BF>(&k)[kAttnPos], KvRow<DPL, BF>(&v)[kAttnPos]) {
+    KvRow<DPL, KT> kr[kAttnPos], vr[kAttnPos], kn[kAttnPos], vn[kAttnPos];
+    auto load_rows = [&](int b, KvRow<DPL, KT>(&k)[kAttnPos], KvRow<DPL, KT>(&v)[kAttnPos]) {
 #pragma unroll
       for (int jp = 0; jp < kAttnPos; ++jp) {
         if (b + jp < p1) {
-          k[jp].load(kc, size_t(b + jp) * HD + lane * DPL);
-          v[jp].load(vc, size_t(b + jp) * HD + lane * DPL);
+          k[jp].load(kc, size_t(b + jp) * HD + lane * DPL, Q8 ? ksc + b + jp : nullptr);
+          v[jp].load(vc, size_t(b + jp) * HD + lane * DPL, Q8 ? vsc + b + jp : nullptr);
         } else {
           k[jp].zero();
           v[jp].zero();
@@ -621,16 +807,16 @@ __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_co
   p.out[size_t(h) * HD + e] = t;
 }
 
-template <int HD, bool BF>
+template <int HD, int KT>
 void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const size_t smem = (size_t(kAttnHeads) * HD + size_t(kAttnWarps) * kAttnHeads * HD +
                        kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads) *
                       4;
   static bool init = [] {
-    LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF, false>,
+    LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, KT, false>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    if constexpr (BF && HD % 64 == 0)
-      LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, BF, true>,
+    if constexpr (KT != 0 && HD % 64 == 0)
+      LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, KT, true>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     return true;
   }();
@@ -640,15 +826,15 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   AttentionParams q = p;
   q.trace = next_trace();
   q.prefetch = env_switch("LILY_CUDA_ATTN_PREFETCH", 1);  // an A/B switch
-  // Tensor cores for a bf16 cache (LILY_CUDA_ATTN_TC=0: the CUDA-core loop).
-  if constexpr (BF && HD % 64 == 0) {
+  // Tensor cores for a bf16 or q8 cache (LILY_CUDA_ATTN_TC=0: the CUDA-core loop).
+  if constexpr (KT != 0 && HD % 64 == 0) {
     if (env_switch("LILY_CUDA_ATTN_TC", 1)) {
-      launch_kernel("attention", attention_kernel<HD, BF, true>, grid, dim3(kAttnThreads),
+      launch_kernel("attention", attention_kernel<HD, KT, true>, grid, dim3(kAttnThreads),
                     size_t(TcSmem<HD>::total) * 4, s, pdl, q);
       return;
     }
   }
-  launch_kernel("attention", attention_kernel<HD, BF, false>, grid, dim3(kAttnThreads), smem, s, pdl, q);
+  launch_kernel("attention", attention_kernel<HD, KT, false>, grid, dim3(kAttnThreads), smem, s, pdl, q);
 }
 
 }  // namespace
@@ -662,12 +848,21 @@ void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
   if (p.min_split < 32 || p.min_split % 32) fail("attention: min_split ", p.min_split, " (a multiple of 32)");
   if (p.rotary_dim <= 0 || p.rotary_dim > p.hd || p.rotary_dim % 2)
     fail("attention: rotary dim ", p.rotary_dim, " for head dim ", p.hd);
-  const bool bf = p.kv_bf16 != 0;
+  if (p.kv == KvType::Q8 && (!p.k_scale || !p.v_scale || p.scale_stride < q8_scale_stride(p.capacity)))
+    fail("attention: a q8 cache needs its scales (stride >= ", q8_scale_stride(p.capacity), ")");
+  auto by_type = [&]<int HD>() {
+    switch (p.kv) {
+      case KvType::F32: return launch_attention_t<HD, 0>(p, s, pdl);
+      case KvType::BF16: return launch_attention_t<HD, 1>(p, s, pdl);
+      case KvType::Q8: return launch_attention_t<HD, 2>(p, s, pdl);
+    }
+    fail("attention: unknown KV type");
+  };
   switch (p.hd) {
-    case 32: return bf ? launch_attention_t<32, true>(p, s, pdl) : launch_attention_t<32, false>(p, s, pdl);
-    case 64: return bf ? launch_attention_t<64, true>(p, s, pdl) : launch_attention_t<64, false>(p, s, pdl);
-    case 128: return bf ? launch_attention_t<128, true>(p, s, pdl) : launch_attention_t<128, false>(p, s, pdl);
-    case 256: return bf ? launch_attention_t<256, true>(p, s, pdl) : launch_attention_t<256, false>(p, s, pdl);
+    case 32: return by_type.template operator()<32>();
+    case 64: return by_type.template operator()<64>();
+    case 128: return by_type.template operator()<128>();
+    case 256: return by_type.template operator()<256>();
     default: fail("attention: head_dim ", p.hd, " is not supported (32, 64, 128, 256)");
   }
 }

@@ -43,9 +43,7 @@ CudaOptions options_from_env() {
   CudaOptions o;
   if (const char* kv = std::getenv("LILY_CUDA_KV")) {
     const std::string s = kv;
-    if (s == "f32") o.kv_bf16 = false;
-    else if (s == "bf16") o.kv_bf16 = true;
-    else fail("LILY_CUDA_KV='", s, "': expected f32 or bf16");
+    if (!parse_kv_type(s, o.kv)) fail("LILY_CUDA_KV='", s, "': expected bf16, q8 or f32");
   }
   if (const char* v = std::getenv("LILY_CUDA_PDL")) o.pdl = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ATTN_MIN_SPLIT")) o.attn_min_split = std::max(32, std::atoi(v) / 32 * 32);
@@ -126,14 +124,26 @@ struct Step {
 class CudaCache final : public SequenceCache {
  public:
   int capacity = 0;
-  bool kv_bf16 = true;
-  std::vector<DeviceBuffer> k, v, state, conv;  // per layer; empty where unused
+  KvType kv = KvType::BF16;
+  int nkv = 0, hd = 0;
+  // Per layer, empty where unused. k / v: rows [nkv][capacity][hd], then for
+  // q8 the scales [nkv][q8_scale_stride(capacity)] f32.
+  std::vector<DeviceBuffer> k, v, state, conv;
   DeviceBuffer ctrl;                            // DecodeCtrl
   GraphExec graph;
   bool graph_pdl = false;
   std::vector<int> layer_kv_heads;  // per layer: KV heads x head_dim (0 for DeltaNet)
 
   DecodeCtrl* dctrl() const { return ctrl.as<DecodeCtrl>(); }
+  size_t row_bytes() const { return size_t(hd) * kv_elem_bytes(kv); }
+  size_t rows_bytes(int cap) const { return size_t(nkv) * cap * row_bytes(); }
+  size_t kv_buffer_bytes(int cap) const {
+    return rows_bytes(cap) + (kv == KvType::Q8 ? size_t(nkv) * q8_scale_stride(cap) * 4 : 0);
+  }
+  // The q8 scales of a K or V buffer.
+  float* scales(const DeviceBuffer& b) const {
+    return kv == KvType::Q8 ? reinterpret_cast<float*>(static_cast<char*>(b.get()) + rows_bytes(capacity)) : nullptr;
+  }
   void set_n_past(int n) { n_past_ = n; }
   void advance(int n) { n_past_ += n; }
 
@@ -141,7 +151,9 @@ class CudaCache final : public SequenceCache {
     LILY_CUDA(cudaDeviceSynchronize());
     auto c = std::make_unique<CudaCache>();
     c->capacity = capacity;
-    c->kv_bf16 = kv_bf16;
+    c->kv = kv;
+    c->nkv = nkv;
+    c->hd = hd;
     c->layer_kv_heads = layer_kv_heads;
     auto copy = [](const std::vector<DeviceBuffer>& src, std::vector<DeviceBuffer>& dst) {
       dst.resize(src.size());
@@ -197,6 +209,10 @@ struct CudaBackend::Impl {
   // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
   // pTok holds a whole forward's token ids.
   DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  // q8 KV: one layer's K and V rows in bf16 for the prefill attention,
+  // [K, V][nkv][pKvCap][head_dim], grown to the cache's capacity.
+  DeviceBuffer pKv;
+  int pKvCap = 0;
   // Quantized dense weights expanded to bf16 for chunks of >= 1024 tokens
   // (PrefillScratch): room for the largest one (a SwiGLU pair counts twice).
   DeviceBuffer pWx;
@@ -338,16 +354,17 @@ struct CudaBackend::Impl {
   // ----------------------------------------------------------------- cache --
   void alloc_cache_buffers(CudaCache& cache, int capacity) {
     cache.capacity = capacity;
-    cache.kv_bf16 = opt.kv_bf16;
+    cache.kv = opt.kv;
+    cache.nkv = c.num_kv_heads;
+    cache.hd = c.head_dim;
     cache.k.resize(c.num_layers);
     cache.v.resize(c.num_layers);
     cache.state.resize(c.num_layers);
     cache.conv.resize(c.num_layers);
     cache.layer_kv_heads.assign(c.num_layers, 0);
-    const size_t es = opt.kv_bf16 ? 2 : 4;
     for (int l = 0; l < c.num_layers; ++l) {
       if (c.layer_kinds[l] == LayerKind::FullAttention) {
-        const size_t n = size_t(c.num_kv_heads) * capacity * c.head_dim * es;
+        const size_t n = cache.kv_buffer_bytes(capacity);
         cache.k[l].alloc(n);
         cache.v[l].alloc(n);
         LILY_CUDA(cudaMemset(cache.k[l].get(), 0, n));
@@ -371,18 +388,23 @@ struct CudaBackend::Impl {
   void ensure_capacity(CudaCache& cache, int needed) {
     if (needed <= cache.capacity) return;
     const int cap = std::max(needed, cache.capacity * 2);
-    const size_t es = cache.kv_bf16 ? 2 : 4;
     LILY_CUDA(cudaStreamSynchronize(stream));
+    const size_t row = cache.row_bytes();
+    const size_t s_old = size_t(q8_scale_stride(cache.capacity)) * 4, s_new = size_t(q8_scale_stride(cap)) * 4;
     for (int l = 0; l < c.num_layers; ++l) {
       if (c.layer_kinds[l] != LayerKind::FullAttention) continue;
-      const size_t row = size_t(c.head_dim) * es;
       for (DeviceBuffer* b : {&cache.k[l], &cache.v[l]}) {
-        DeviceBuffer nb(size_t(c.num_kv_heads) * cap * row);
+        DeviceBuffer nb(cache.kv_buffer_bytes(cap));
         LILY_CUDA(cudaMemset(nb.get(), 0, nb.bytes()));
-        if (cache.n_past() > 0)
+        if (cache.n_past() > 0) {
           LILY_CUDA(cudaMemcpy2D(nb.get(), cap * row, b->get(), cache.capacity * row,
                                  size_t(cache.n_past()) * row, c.num_kv_heads,
                                  cudaMemcpyDeviceToDevice));
+          if (cache.kv == KvType::Q8)
+            LILY_CUDA(cudaMemcpy2D(static_cast<char*>(nb.get()) + cache.rows_bytes(cap), s_new,
+                                   cache.scales(*b), s_old, size_t(cache.n_past()) * 4, c.num_kv_heads,
+                                   cudaMemcpyDeviceToDevice));
+        }
         *b = std::move(nb);
       }
     }
@@ -542,8 +564,11 @@ struct CudaBackend::Impl {
         a.rotary_dim = c.rotary_dim;
         a.k_cache = cache.k[l].get();
         a.v_cache = cache.v[l].get();
-        a.kv_bf16 = cache.kv_bf16 ? 1 : 0;
+        a.kv = cache.kv;
         a.capacity = cache.capacity;
+        a.k_scale = cache.scales(cache.k[l]);
+        a.v_scale = cache.scales(cache.v[l]);
+        a.scale_stride = q8_scale_stride(cache.capacity);
         a.part_o = part_o.as<float>();
         a.part_ml = part_ml.as<float>();
         a.max_splits = opt.max_splits;
@@ -555,7 +580,8 @@ struct CudaBackend::Impl {
         a.q_head_stride = c.head_dim * (c.attn_output_gate ? 2 : 1);
         a.gated = c.attn_output_gate ? 1 : 0;
         a.out = attn_out.as<float>();
-        const double kv_per_pos = 2.0 * kvdim * (cache.kv_bf16 ? 2 : 4);
+        const double kv_per_pos =
+            2.0 * kvdim * kv_elem_bytes(cache.kv) + (cache.kv == KvType::Q8 ? 2.0 * c.num_kv_heads * 4 : 0.0);
         steps.push_back({"attn.attention", 0, kv_per_pos,
                          [a](cudaStream_t s, bool pdl) { launch_attention(a, s, pdl); }});
         steps.push_back({"attn.combine", 0, 0,
@@ -759,7 +785,7 @@ struct CudaBackend::Impl {
     pl.clear();
     auto no = [&](std::string why) { prefill_why = std::move(why); };
     if (!opt.prefill) return no("turned off (LILY_CUDA_PREFILL=0)");
-    if (!opt.kv_bf16) return no("the prefill attention reads a bf16 KV cache (this backend keeps f32 KV)");
+    if (opt.kv == KvType::F32) return no("the prefill attention reads a bf16 or q8 KV cache (this backend keeps f32 KV)");
     auto one_of = [](int v, std::initializer_list<int> set) {
       return std::find(set.begin(), set.end(), v) != set.end();
     };
@@ -1007,10 +1033,29 @@ struct CudaBackend::Impl {
         ap.inv_freq = inv_freq.as<float>();
         ap.rotary_dim = c.rotary_dim;
         ap.qg = pQg.as<uint16_t>();
-        ap.k_cache = cache.k[l].as<uint16_t>();
-        ap.v_cache = cache.v[l].as<uint16_t>();
-        ap.capacity = cache.capacity;
+        // A q8 cache: the attention reads bf16 rows [0, P + T) of a scratch
+        // (the cache's rows before P expanded, the new ones rounded through q8
+        // as the decode step reads them).
+        const bool q8 = cache.kv == KvType::Q8;
+        uint16_t* kb = q8 ? pKv.as<uint16_t>() : cache.k[l].as<uint16_t>();
+        uint16_t* vb = q8 ? kb + size_t(c.num_kv_heads) * pKvCap * hd : cache.v[l].as<uint16_t>();
+        const int bcap = q8 ? pKvCap : cache.capacity;
+        const KvQ8Rows qk{cache.k[l].as<uint8_t>(), cache.scales(cache.k[l]), cache.capacity,
+                          q8_scale_stride(cache.capacity)};
+        const KvQ8Rows qv{cache.v[l].as<uint8_t>(), cache.scales(cache.v[l]), cache.capacity,
+                          q8_scale_stride(cache.capacity)};
+        if (q8 && P > 0) {
+          launch_kv_q8_expand(qk, c.num_kv_heads, hd, 0, P, kb, bcap, s);
+          launch_kv_q8_expand(qv, c.num_kv_heads, hd, 0, P, vb, bcap, s);
+        }
+        ap.k_cache = kb;
+        ap.v_cache = vb;
+        ap.capacity = bcap;
         launch_attn_prep(ap, s);
+        if (q8) {
+          launch_kv_q8_store(kb, bcap, c.num_kv_heads, hd, P, P + T, qk, s);
+          launch_kv_q8_store(vb, bcap, c.num_kv_heads, hd, P, P + T, qv, s);
+        }
         PrefillAttentionArgs aa;
         aa.T = T;
         aa.first_position = P;
@@ -1021,9 +1066,9 @@ struct CudaBackend::Impl {
         aa.gate = c.attn_output_gate ? pQg.as<uint16_t>() + hd : nullptr;
         aa.q_row_stride = size_t(qdim);
         aa.q_head_stride = size_t(qhs);
-        aa.k_cache = cache.k[l].as<uint16_t>();
-        aa.v_cache = cache.v[l].as<uint16_t>();
-        aa.capacity = cache.capacity;
+        aa.k_cache = kb;
+        aa.v_cache = vb;
+        aa.capacity = bcap;
         aa.out = A;
         aa.out_row_stride = lda;
         prefill_attention(aa, s);
@@ -1115,6 +1160,15 @@ struct CudaBackend::Impl {
     const int chunk = prefill_chunk();
     const int P0 = cache.n_past();
     ensure_prefill_rows(std::min(T, chunk));
+    if (cache.kv == KvType::Q8 && pKvCap < cache.capacity) {
+      bool attn = false;
+      for (LayerKind k : c.layer_kinds) attn = attn || k == LayerKind::FullAttention;
+      if (attn) {
+        LILY_CUDA(cudaStreamSynchronize(stream));
+        pKv.alloc(2 * size_t(c.num_kv_heads) * cache.capacity * c.head_dim * 2);
+        pKvCap = cache.capacity;
+      }
+    }
     // All token ids go up once (4 bytes a token); chunks index into them.
     const size_t ctrl_off = (size_t(T) * sizeof(int) + 63) / 64 * 64;
     pinned.ensure(ctrl_off + sizeof(DecodeCtrl));
@@ -1207,8 +1261,15 @@ void CudaBackend::bench_fill(SequenceCache& base, int ctx, uint64_t seed) {
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.layer_kinds[l] == LayerKind::FullAttention) {
       for (DeviceBuffer* b : {&cache.k[l], &cache.v[l]}) {
-        if (cache.kv_bf16) fill_random_bf16(b->as<uint16_t>(), b->bytes() / 2, -1.f, 1.f, ++seed, m.stream);
-        else fill_random_f32(b->as<float>(), b->bytes() / 4, -1.f, 1.f, ++seed, m.stream);
+        switch (cache.kv) {
+          case KvType::BF16: fill_random_bf16(b->as<uint16_t>(), b->bytes() / 2, -1.f, 1.f, ++seed, m.stream); break;
+          case KvType::F32: fill_random_f32(b->as<float>(), b->bytes() / 4, -1.f, 1.f, ++seed, m.stream); break;
+          case KvType::Q8:  // codes anywhere, scales for values in about [-1, 1]
+            fill_random_u32(b->as<uint32_t>(), cache.rows_bytes(cache.capacity) / 4, ++seed, m.stream);
+            fill_random_f32(cache.scales(*b), (b->bytes() - cache.rows_bytes(cache.capacity)) / 4, 0.5f / 127,
+                            1.f / 127, ++seed, m.stream);
+            break;
+        }
       }
     } else {
       fill_random_f32(cache.state[l].as<float>(), cache.state[l].bytes() / 4, -0.05f, 0.05f, ++seed, m.stream);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/kv_type.h"
 
 namespace lily {
 
@@ -24,7 +25,9 @@ std::string default_backend_kind();
 namespace cuda {
 
 struct CudaOptions {
-  bool kv_bf16 = true;   // KV cache in bf16 (false: f32, for tight comparisons)
+  // KV cache rows: bf16; q8 (8-bit codes with one f32 scale per row, half the
+  // bytes: the attention reads at long contexts halve); f32 (tight comparisons).
+  KvType kv = KvType::BF16;
   bool pdl = true;       // programmatic dependent launch between kernels
   bool graphs = true;    // replay each decode step from a CUDA graph
   int max_splits = 128;  // context splits of the attention kernel
@@ -39,7 +42,7 @@ struct CudaOptions {
   // docs/cuda-decode.md, "v16").
   int act_bits = 16;
 };
-// Defaults overridden by LILY_CUDA_KV=f32|bf16, LILY_CUDA_PDL=0|1,
+// Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_ACT=q16|q8|f32.
 CudaOptions options_from_env();

@@ -90,6 +90,26 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// ---- q8 KV rows (KvType::Q8 in kernels.h) --------------------------------------
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+// 127 / m (0 for an all-zero row) and the stored scale m / 127, IEEE-rounded.
+__device__ __forceinline__ float q8_inv(float m) { return m > 0.f ? __fdiv_rn(127.f, m) : 0.f; }
+__device__ __forceinline__ float q8_scale(float m) { return __fdiv_rn(m, 127.f); }
+// The offset-binary code of a bf16-rounded value b.
+__device__ __forceinline__ uint32_t q8_code(float b, float inv) {
+  const int c = __float2int_rn(__fmul_rn(b, inv));
+  return static_cast<uint32_t>(max(-127, min(127, c)) + 128);
+}
+// One warp quantizes a row of n values (src, any memory) into dst / *scale.
+__device__ __forceinline__ void q8_store_row_warp(const float* src, int n, uint8_t* dst, float* scale, int lane) {
+  float m = 0.f;
+  for (int d = lane; d < n; d += 32) m = fmaxf(m, fabsf(bf16_round(src[d])));
+  m = warp_max(m);
+  const float inv = q8_inv(m);
+  for (int d = lane; d < n; d += 32) dst[d] = static_cast<uint8_t>(q8_code(bf16_round(src[d]), inv));
+  if (lane == 0) *scale = q8_scale(m);
+}
+
 // Sum over the block; every thread gets the result. `scratch` holds >= 32
 // floats. Deterministic.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {

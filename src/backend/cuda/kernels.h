@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/kv_type.h"
+
 namespace lily::cuda {
 
 enum class QFmt : int { Q4 = 0, Q8 = 1, BF16 = 2, F32 = 3 };
@@ -267,7 +269,8 @@ void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl);
 
 // ---- Gated attention decode: split over the context, then combine -----------
 // qkv: [q heads x q_head_stride | k nkv x hd | v nkv x hd] (q head: query
-// then, when gated, the gate). Caches [nkv][capacity][hd], f32 or bf16.
+// then, when gated, the gate). Caches [nkv][capacity][hd] of f32, bf16 or q8
+// (with k_scale / v_scale [nkv][scale_stride]).
 struct AttentionParams {
   const float* qkv = nullptr;
   const float* q_norm = nullptr;
@@ -277,8 +280,11 @@ struct AttentionParams {
   int rotary_dim = 0;
   void* k_cache = nullptr;
   void* v_cache = nullptr;
-  int kv_bf16 = 1;
+  KvType kv = KvType::BF16;
   int capacity = 0;
+  float* k_scale = nullptr;  // q8 only
+  float* v_scale = nullptr;
+  int scale_stride = 0;
   float* part_o = nullptr;   // [nh][max_splits][hd]
   float* part_ml = nullptr;  // [nh][max_splits][2]
   int max_splits = 0;

@@ -67,7 +67,65 @@ __global__ void __launch_bounds__(kPrepWarps * 32) attn_prep_kernel(const AttnPr
   }
 }
 
+// One warp per (head, row): rows [p0, p1) of every head.
+__global__ void kv_q8_expand_kernel(const KvQ8Rows q, int nkv, int hd, int p0, int p1, uint16_t* dst,
+                                    int dst_cap) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const int n = p1 - p0;
+  if (warp >= nkv * n) return;
+  const int h = warp / n, pos = p0 + warp % n;
+  const uint8_t* src = q.rows + (size_t(h) * q.capacity + pos) * hd;
+  const float sc = q.scales[size_t(h) * q.scale_stride + pos];
+  uint16_t* out = dst + (size_t(h) * dst_cap + pos) * hd;
+  for (int d = lane; d < hd; d += 32) out[d] = bf16_of((static_cast<float>(src[d]) - 128.f) * sc);
+}
+
+__global__ void kv_q8_store_kernel(uint16_t* src, int src_cap, int nkv, int hd, int p0, int p1, const KvQ8Rows q) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
+  const int n = p1 - p0;
+  if (warp >= nkv * n) return;
+  const int h = warp / n, pos = p0 + warp % n;
+  uint16_t* row = src + (size_t(h) * src_cap + pos) * hd;
+  auto val = [&](int d) { return __uint_as_float(static_cast<uint32_t>(row[d]) << 16); };
+  float m = 0.f;
+  for (int d = lane; d < hd; d += 32) m = fmaxf(m, fabsf(val(d)));
+  m = warp_max(m);
+  const float inv = q8_inv(m), sc = q8_scale(m);
+  uint8_t* dst = q.rows + (size_t(h) * q.capacity + pos) * hd;
+  for (int d = lane; d < hd; d += 32) {
+    const uint32_t u = q8_code(val(d), inv);
+    dst[d] = static_cast<uint8_t>(u);
+    row[d] = bf16_of((static_cast<float>(u) - 128.f) * sc);
+  }
+  if (lane == 0) q.scales[size_t(h) * q.scale_stride + pos] = sc;
+}
+
+void check_q8_rows(const char* what, const KvQ8Rows& q, int p0, int p1) {
+  if (!q.rows || !q.scales || p0 < 0 || p1 > q.capacity || q.scale_stride < q8_scale_stride(q.capacity))
+    fail(what, ": rows [", p0, ", ", p1, ") of a q8 cache of capacity ", q.capacity);
+}
+
 }  // namespace
+
+void launch_kv_q8_expand(const KvQ8Rows& q, int nkv, int hd, int p0, int p1, uint16_t* dst, int dst_cap,
+                         cudaStream_t s) {
+  if (p1 <= p0) return;
+  check_q8_rows("kv_q8_expand", q, p0, p1);
+  if (p1 > dst_cap) fail("kv_q8_expand: rows up to ", p1, " into a buffer of ", dst_cap);
+  const int warps = nkv * (p1 - p0);
+  launch_kernel("kv_q8_expand", kv_q8_expand_kernel, dim3((warps + 7) / 8), dim3(256), 0, s, false, q, nkv, hd,
+                p0, p1, dst, dst_cap);
+}
+
+void launch_kv_q8_store(uint16_t* src, int src_cap, int nkv, int hd, int p0, int p1, const KvQ8Rows& q,
+                        cudaStream_t s) {
+  if (p1 <= p0) return;
+  check_q8_rows("kv_q8_store", q, p0, p1);
+  if (p1 > src_cap) fail("kv_q8_store: rows up to ", p1, " of a buffer of ", src_cap);
+  const int warps = nkv * (p1 - p0);
+  launch_kernel("kv_q8_store", kv_q8_store_kernel, dim3((warps + 7) / 8), dim3(256), 0, s, false, src, src_cap,
+                nkv, hd, p0, p1, q);
+}
 
 void launch_attn_prep(const AttnPrepParams& p, cudaStream_t s) {
   if (p.T <= 0) return;

@@ -42,5 +42,20 @@ struct AttnPrepParams {
 };
 void launch_attn_prep(const AttnPrepParams& p, cudaStream_t s);
 
+// A q8 KV cache's K or V (KvType::Q8): rows [nkv][capacity][hd] of codes,
+// scales [nkv][scale_stride].
+struct KvQ8Rows {
+  uint8_t* rows = nullptr;
+  float* scales = nullptr;
+  int capacity = 0, scale_stride = 0;
+};
+// dst (bf16) [nkv][dst_cap][hd] rows [p0, p1) = the q8 rows' values c * s.
+void launch_kv_q8_expand(const KvQ8Rows& q, int nkv, int hd, int p0, int p1, uint16_t* dst, int dst_cap,
+                         cudaStream_t s);
+// Quantizes bf16 rows [p0, p1) of src [nkv][src_cap][hd] into q (as the
+// decode step quantizes a new row) and writes their values c * s back to src.
+void launch_kv_q8_store(uint16_t* src, int src_cap, int nkv, int hd, int p0, int p1, const KvQ8Rows& q,
+                        cudaStream_t s);
+
 
 }  // namespace lily::cuda
