@@ -95,6 +95,25 @@ TEST(Cli, ErrorsAreOneLineWithNonZeroExit) {
   expect_one_line_error(run_lily("generate" + m + " --tokens 1 --max-tokens -1"), "--max-tokens");
   expect_one_line_error(run_lily("logits" + m + " --tokens 1 --bogus 1"), "unknown option --bogus");
   expect_one_line_error(run_lily("frobnicate"), "unknown command");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1 --kv-cache q4"), "KV cache type 'q4'");
+  expect_one_line_error(run_lily("logits" + m + " --tokens 1 --backend cpu --kv-cache q8"),
+                        "the cpu backend keeps an f32 KV cache");
+}
+
+// --kv-cache f32 is the cpu backend's own type; q8 under --backend auto
+// runs the cuda backend's q8 rows where a GPU is present, else the cpu
+// backend's f32 (greedy tokens agree either way on this fixture).
+TEST(Cli, KvCacheOptionOnTheCpuBackend) {
+  auto ref = test::load_reference("qwen3_5_moe-mlx4", "short");
+  const std::string args = "generate --model " + test::fixture_dir("qwen3_5_moe-mlx4") + " --tokens " +
+                           join(ref.prompt) + " --max-tokens 4";
+  CliRun r = run_lily(args + " --backend cpu --kv-cache f32");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<int> first(ref.generated.begin(), ref.generated.begin() + 4);
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("tokens").get<std::vector<int>>(), first);
+  r = run_lily(args + " --backend auto --kv-cache q8");  // cuda with q8 rows where a GPU is present
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("tokens").get<std::vector<int>>(), first);
 }
 
 TEST(CliText, TokenizeDetokenizeRoundTrip) {

@@ -116,12 +116,13 @@ TEST_P(CudaModelFixture, TeacherForcedDecodeBf16Kv) {
 }
 
 // 8-bit KV rows: each cached value within half a step (max |row| / 254) of
-// its bf16 value, i.e. ~0.4% of the row's largest; on these tiny models
-// that moves the logits by TBD (measured below, the bound leaves 2x).
+// its bf16 value, i.e. ~0.4% of the row's largest. Measured on the H200
+// (2026-12-04): 4.9e-4 (qwen3_5 long) to 8.7e-3 (qwen3_moe short) against
+// both the CPU and the reference; the bf16-KV bound leaves 3.4x.
 TEST_P(CudaModelFixture, TeacherForcedDecodeQ8Kv) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
-  teacher_forced(fixture, which, cuda::KvType::Q8, 1e-1);
+  teacher_forced(fixture, which, cuda::KvType::Q8, 3e-2);
 }
 
 // Every prompt position, run through the decode step token by token.
