@@ -1088,7 +1088,9 @@ TEST(CudaKvQ8, StoreAndExpandMatchHostTwin) {
           const float v = (float(codes[e]) - 128.f) * st;
           ASSERT_EQ(gr[(size_t(h) * cap + t) * hd + e], in ? codes[e] : 0) << h << " " << t << " " << e;
           ASSERT_EQ(back[i], in ? f32_to_bf16(v) : src[i]) << "written back, " << h << " " << t << " " << e;
-          if (in) ASSERT_EQ(ex[(size_t(h) * cap + t) * hd + e], f32_to_bf16(v)) << "expanded";
+          if (in) {
+            ASSERT_EQ(ex[(size_t(h) * cap + t) * hd + e], f32_to_bf16(v)) << "expanded";
+          }
         }
       }
   }

@@ -837,6 +837,16 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   launch_kernel("attention", attention_kernel<HD, KT, false>, grid, dim3(kAttnThreads), smem, s, pdl, q);
 }
 
+template <int HD>
+void launch_attention_kv(const AttentionParams& p, cudaStream_t s, bool pdl) {
+  switch (p.kv) {
+    case KvType::F32: return launch_attention_t<HD, 0>(p, s, pdl);
+    case KvType::BF16: return launch_attention_t<HD, 1>(p, s, pdl);
+    case KvType::Q8: return launch_attention_t<HD, 2>(p, s, pdl);
+  }
+  fail("attention: unknown KV type");
+}
+
 }  // namespace
 
 int attention_split_len_host(int n, int max_splits, int min_split) {
@@ -850,19 +860,11 @@ void launch_attention(const AttentionParams& p, cudaStream_t s, bool pdl) {
     fail("attention: rotary dim ", p.rotary_dim, " for head dim ", p.hd);
   if (p.kv == KvType::Q8 && (!p.k_scale || !p.v_scale || p.scale_stride < q8_scale_stride(p.capacity)))
     fail("attention: a q8 cache needs its scales (stride >= ", q8_scale_stride(p.capacity), ")");
-  auto by_type = [&]<int HD>() {
-    switch (p.kv) {
-      case KvType::F32: return launch_attention_t<HD, 0>(p, s, pdl);
-      case KvType::BF16: return launch_attention_t<HD, 1>(p, s, pdl);
-      case KvType::Q8: return launch_attention_t<HD, 2>(p, s, pdl);
-    }
-    fail("attention: unknown KV type");
-  };
   switch (p.hd) {
-    case 32: return by_type.template operator()<32>();
-    case 64: return by_type.template operator()<64>();
-    case 128: return by_type.template operator()<128>();
-    case 256: return by_type.template operator()<256>();
+    case 32: return launch_attention_kv<32>(p, s, pdl);
+    case 64: return launch_attention_kv<64>(p, s, pdl);
+    case 128: return launch_attention_kv<128>(p, s, pdl);
+    case 256: return launch_attention_kv<256>(p, s, pdl);
     default: fail("attention: head_dim ", p.hd, " is not supported (32, 64, 128, 256)");
   }
 }
