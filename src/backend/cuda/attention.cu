@@ -145,13 +145,21 @@ using prefill_detail::pack_bf16x2;
 // queries (f32, then their fragments in place), the new K row, then the
 // (max, sum) pairs and the merge's scratch. The ring does not overlap what
 // the prologue uses: its first steps are requested before the wait.
-template <int HD>
+// Bytes of one ring slot (8 positions): K and V in bf16, or q8 codes and
+// their 8 + 8 scales.
+template <int HD, int KT>
+constexpr int tc_slot_bytes() { return KT == 2 ? 16 * HD + 64 : 32 * HD; }
+// The ring is as large for a q8 cache as for a bf16 one although its slots
+// are half as big: with a smaller footprint the pre-launched blocks pile up
+// three to an SM on the SMs that free up first (v17: -4% at 128K).
+template <int HD, int KT>
 struct TcSmem {
-  static constexpr int ring = 0;                                   // [warp][stage][K, V][8][HD] bf16
-  static constexpr int ring_floats = kAttnWarps * kTcStages * 8 * HD;
+  static constexpr int ring = 0;                                   // [warp][stage] slots
+  static constexpr int ring_floats = kAttnWarps * kTcStages * tc_slot_bytes<HD, 1>() / 4;
   static constexpr int qbuf = ring + ring_floats;                  // qs [8][HD], then qf [HD / 16][32] uint4
   static constexpr int knorm = qbuf + 8 * HD;                      // [HD]
-  static constexpr int mml = knorm + HD;                           // [warps][8][2], then pw and aw
+  static constexpr int rope = knorm + HD;                          // [HD]: cos, sin of the position
+  static constexpr int mml = rope + HD;                            // [warps][8][2], then pw and aw
   static constexpr int total = mml + kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads;
   static_assert(ring_floats >= kAttnWarps * kAttnHeads * HD, "the merge fits in the ring");
 };
@@ -413,18 +421,18 @@ __device__ __forceinline__ void tc_issue_any(char* dst, const TcSrc& src, int b,
 // The warp's first kTcStages - 1 steps, each its own cp.async group, as far
 // as they end before `pos` (the new row, written after the wait): called
 // before the wait, it returns how many went out.
-constexpr int kTcStride = kAttnWarps * 8, kTcSlot = 16;  // positions between a warp's steps; slot: 16 HD bf16
-constexpr int kTcSlotBytes = kTcSlot * 2;  // per HD
+constexpr int kTcStride = kAttnWarps * 8;  // positions between a warp's steps
 template <int HD, int KT>
 __device__ __forceinline__ int tc_prefetch(const TcSrc& src, char* ring, int p0, int p1, int pos, int warp,
                                            int lane) {
-  char* my = ring + size_t(warp) * kTcStages * kTcSlotBytes * HD;
+  constexpr int kSlot = tc_slot_bytes<HD, KT>();
+  char* my = ring + size_t(warp) * kTcStages * kSlot;
   const int b0 = p0 + warp * 8;
   int k = 0;
   for (; k < kTcStages - 1; ++k) {
     const int b = b0 + k * kTcStride;
     if (b >= p1 || (b <= pos && pos < min(b + 8, p1))) break;
-    tc_issue_any<HD, KT>(my + k * kTcSlotBytes * HD, src, b, p1, lane);
+    tc_issue_any<HD, KT>(my + k * kSlot, src, b, p1, lane);
     cp_async_commit();
   }
   return k;
@@ -444,7 +452,7 @@ __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, char* ring,
   for (int m = 0; m < HD / 16; ++m) st.acc[m][0] = st.acc[m][1] = st.acc[m][2] = st.acc[m][3] = 0.f;
   st.m = -INFINITY;
   st.l = 0.f;
-  constexpr int kStride = kTcStride, kSlot = kTcSlotBytes * HD;  // bytes per slot
+  constexpr int kStride = kTcStride, kSlot = tc_slot_bytes<HD, KT>();
   char* my = ring + size_t(warp) * kTcStages * kSlot;
   const int b0 = p0 + warp * 8;
   const int nt = b0 < p1 ? (p1 - b0 + kStride - 1) / kStride : 0;
@@ -519,15 +527,38 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   float* mml = macc + kAttnWarps * kAttnHeads * HD;  // [warps][8][2]
   int issued = 0;
   if constexpr (TC) {
-    qs = sm + TcSmem<HD>::qbuf;
-    macc = sm + TcSmem<HD>::ring;
-    knorm = sm + TcSmem<HD>::knorm;
-    mml = sm + TcSmem<HD>::mml;
+    qs = sm + TcSmem<HD, KT>::qbuf;
+    macc = sm + TcSmem<HD, KT>::ring;
+    knorm = sm + TcSmem<HD, KT>::knorm;
+    mml = sm + TcSmem<HD, KT>::mml;
     if (p.prefetch)
-      issued = tc_prefetch<HD, KT>(src, reinterpret_cast<char*>(sm + TcSmem<HD>::ring), p0, p1, pos, warp, lane);
+      issued = tc_prefetch<HD, KT>(src, reinterpret_cast<char*>(sm + TcSmem<HD, KT>::ring), p0, p1, pos, warp, lane);
   }
   float* pw = mml + kAttnWarps * kAttnHeads * 2;   // [warps][32]
   float* aw = pw + kAttnWarps * 32;                // [warps][8]
+  // RoPE's cosines and sines depend on the position only: before the wait.
+  // The angle in f32 as the CPU forms it. cosf / sinf take a slow argument
+  // reduction (local memory) past |x| ~ 1e5, i.e. for the low frequencies
+  // at long contexts (2.4 us per launch at 128K): there the cosine and sine
+  // come from f64, which stays fast and rounds to the same floats.
+  float* rope = aw + kAttnWarps * kAttnHeads;  // [cos half | sin half]
+  if constexpr (TC) rope = sm + TcSmem<HD, KT>::rope;
+  const int half = p.rotary_dim / 2;
+  for (int i = tid; i < half; i += kAttnThreads) {
+    const float angle = static_cast<float>(pos) * p.inv_freq[i];
+    float c, s;
+    if (fabsf(angle) < 65536.f) {
+      c = cosf(angle);
+      s = sinf(angle);
+    } else {
+      double sd, cd;
+      sincos(static_cast<double>(angle), &sd, &cd);
+      c = static_cast<float>(cd);
+      s = static_cast<float>(sd);
+    }
+    rope[i] = c;
+    rope[half + i] = s;
+  }
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
@@ -580,28 +611,12 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     }
   }
   __syncthreads();
-  const int half = p.rotary_dim / 2;
-  const float fpos = static_cast<float>(pos);
   for (int idx = tid; idx < (kAttnHeads + 1) * half; idx += kAttnThreads) {
     const int hl = idx / half, i = idx - hl * half;
     float* x = hl < kAttnHeads ? qs + hl * HD : knorm;
     if (hl == kAttnHeads && !writer) continue;
     if (hl < kAttnHeads && hl >= gcount) continue;
-    // The angle in f32 as the CPU forms it. cosf / sinf take a slow argument
-    // reduction (local memory) past |x| ~ 1e5, i.e. for the low frequencies
-    // at long contexts (2.4 us per launch at 128K): there the cosine and sine
-    // come from f64, which stays fast and rounds to the same floats.
-    const float angle = fpos * p.inv_freq[i];
-    float c, s;
-    if (fabsf(angle) < 65536.f) {
-      c = cosf(angle);
-      s = sinf(angle);
-    } else {
-      double sd, cd;
-      sincos(static_cast<double>(angle), &sd, &cd);
-      c = static_cast<float>(cd);
-      s = static_cast<float>(sd);
-    }
+    const float c = rope[i], s = rope[half + i];
     const float x1 = x[i], x2 = x[i + half];
     x[i] = x1 * c - x2 * s;
     x[i + half] = x2 * c + x1 * s;
@@ -620,7 +635,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   trace_mark(p.trace, 2);
 
   if constexpr (TC) {
-    attention_tc_loop<HD, KT>(src, reinterpret_cast<const uint4*>(qs), reinterpret_cast<char*>(sm + TcSmem<HD>::ring),
+    attention_tc_loop<HD, KT>(src, reinterpret_cast<const uint4*>(qs), reinterpret_cast<char*>(sm + TcSmem<HD, KT>::ring),
                               macc, mml, p0, p1, issued, warp, lane);
   } else {
     const float scale = 1.f / sqrtf(static_cast<float>(HD));
@@ -810,7 +825,7 @@ __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_co
 template <int HD, int KT>
 void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const size_t smem = (size_t(kAttnHeads) * HD + size_t(kAttnWarps) * kAttnHeads * HD +
-                       kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads) *
+                       kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads + HD) *
                       4;
   static bool init = [] {
     LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, KT, false>,
@@ -830,7 +845,7 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   if constexpr (KT != 0 && HD % 64 == 0) {
     if (env_switch("LILY_CUDA_ATTN_TC", 1)) {
       launch_kernel("attention", attention_kernel<HD, KT, true>, grid, dim3(kAttnThreads),
-                    size_t(TcSmem<HD>::total) * 4, s, pdl, q);
+                    size_t(TcSmem<HD, KT>::total) * 4, s, pdl, q);
       return;
     }
   }

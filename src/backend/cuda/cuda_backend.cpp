@@ -46,6 +46,7 @@ CudaOptions options_from_env() {
     if (!parse_kv_type(s, o.kv)) fail("LILY_CUDA_KV='", s, "': expected bf16, q8 or f32");
   }
   if (const char* v = std::getenv("LILY_CUDA_PDL")) o.pdl = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLITS")) o.max_splits = std::atoi(v);
   if (const char* v = std::getenv("LILY_CUDA_ATTN_MIN_SPLIT")) o.attn_min_split = std::max(32, std::atoi(v) / 32 * 32);
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
