@@ -10,6 +10,7 @@
 #
 # Environment: OUT (log folder, default /tmp/lily-gpu-check), CTX (bench
 # decode contexts), PREFILL (bench prompt lengths, "none" to skip), FILTER (gtest filter), BENCH_ARGS (extra bench arguments),
+# BENCH_Q8KV=0 (skip the q8 KV decode run),
 # SKIP_TESTS=1, SKIP_BENCH=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,12 @@ run() {
       --ctx "${CTX:-256,4096,32768,131072}" --prefill "${PREFILL:-256,4096,32768,131072}" --profile --json "$OUT/bench-qwen3.6-35b-a3b.json" \
       ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
     bench_rc=${PIPESTATUS[0]}
+    if [[ ${BENCH_Q8KV:-1} == 1 ]]; then
+      # The same decode with the q8 KV cache (the 128K target is met there).
+      echo "-- kv q8" | tee -a "$LOG"
+      timeout 120 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda --kv q8 \
+        --ctx "${CTX:-256,4096,32768,131072}" --repeats 3 --json "$OUT/bench-qwen3.6-35b-a3b-kvq8.json" 2>&1 | tee -a "$LOG"
+    fi
     if [[ ${VARIANTS:-1} == 1 ]]; then
       # What the launch machinery buys: the same step without PDL, and
       # without graphs (kernels launched one by one from the host).
