@@ -231,6 +231,33 @@ struct TcState {
   float acc[HD / 16][4];  // O^T tiles m: [dim 16m + g][head 2t, 2t + 1], [dim 16m + 8 + g][...]
   float m, l;             // head g: running max, this lane's share of the sum
 };
+// The online softmax of one step: the scores s0, s1 of positions 2t, 2t + 1
+// for head g (lane = 4g + t) update the running max and sum, rescale the
+// output tiles, and give the step's exp(s - max).
+template <int HD>
+__device__ __forceinline__ void tc_online_softmax(TcState<HD>& st, float s0, float s1, int t, float& e0, float& e1) {
+  float mx = fmaxf(s0, s1);
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  // Every head has position b (t = 0), so mx and m_new are finite.
+  const float m_new = fmaxf(st.m, mx);
+  const float alpha = expf(st.m - m_new);  // 0 on the first step (m = -inf)
+  e0 = expf(s0 - m_new);
+  e1 = expf(s1 - m_new);
+  st.l = fmaf(st.l, alpha, e0 + e1);
+  st.m = m_new;
+  if (__any_sync(0xffffffffu, alpha != 1.f)) {
+    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+    for (int m = 0; m < HD / 16; ++m) {
+      st.acc[m][0] *= a_lo;
+      st.acc[m][1] *= a_hi;
+      st.acc[m][2] *= a_lo;
+      st.acc[m][3] *= a_hi;
+    }
+  }
+}
+
 template <int HD>
 __device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, const uint4* qf, int b, int p1,
                                         float scale, int lane) {
@@ -248,25 +275,8 @@ __device__ __forceinline__ void tc_step(TcState<HD>& st, const uint16_t* kt, con
   const int pa = b + 2 * t;
   const float s0 = pa < p1 ? (c[0] + c[2]) * scale : -INFINITY;
   const float s1 = pa + 1 < p1 ? (c[1] + c[3]) * scale : -INFINITY;
-  float mx = fmaxf(s0, s1);
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  // Every head has position b (t = 0), so mx and m_new are finite.
-  const float m_new = fmaxf(st.m, mx);
-  const float alpha = expf(st.m - m_new);  // 0 on the first step (m = -inf)
-  const float e0 = expf(s0 - m_new), e1 = expf(s1 - m_new);
-  st.l = fmaf(st.l, alpha, e0 + e1);
-  st.m = m_new;
-  if (__any_sync(0xffffffffu, alpha != 1.f)) {
-    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-#pragma unroll
-    for (int m = 0; m < HD / 16; ++m) {
-      st.acc[m][0] *= a_lo;
-      st.acc[m][1] *= a_hi;
-      st.acc[m][2] *= a_lo;
-      st.acc[m][3] *= a_hi;
-    }
-  }
+  float e0, e1;
+  tc_online_softmax(st, s0, s1, t, e0, e1);
   uint32_t phi, plo;
   split_bf16(e0, e1, phi, plo);
   const uint16_t* vt = kt + 8 * HD;
@@ -368,24 +378,8 @@ __device__ __forceinline__ void tc_step_q8(TcState<HD>& st, const uint8_t* slot,
   const int pa = b + 2 * t;
   const float s0 = pa < p1 ? (c[0] + c[2]) * sk.x * scale : -INFINITY;
   const float s1 = pa + 1 < p1 ? (c[1] + c[3]) * sk.y * scale : -INFINITY;
-  float mx = fmaxf(s0, s1);
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float m_new = fmaxf(st.m, mx);
-  const float alpha = expf(st.m - m_new);
-  const float e0 = expf(s0 - m_new), e1 = expf(s1 - m_new);
-  st.l = fmaf(st.l, alpha, e0 + e1);
-  st.m = m_new;
-  if (__any_sync(0xffffffffu, alpha != 1.f)) {
-    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * t), a_hi = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-#pragma unroll
-    for (int m = 0; m < HD / 16; ++m) {
-      st.acc[m][0] *= a_lo;
-      st.acc[m][1] *= a_hi;
-      st.acc[m][2] *= a_lo;
-      st.acc[m][3] *= a_hi;
-    }
-  }
+  float e0, e1;
+  tc_online_softmax(st, s0, s1, t, e0, e1);
   uint32_t phi, plo;
   split_f16(pa < p1 ? e0 * sv.x : 0.f, pa + 1 < p1 ? e1 * sv.y : 0.f, phi, plo);
 #pragma unroll
