@@ -874,7 +874,8 @@ float kv_q8_quantize_ref(const float* x, int n, uint8_t* codes) {
 // and q8 caches (bf16 and q8 with head_dim 64 / 128 / 256 on tensor cores,
 // and on the CUDA-core loop with LILY_CUDA_ATTN_TC=0), short, split and long
 // contexts (n = 37 and 5000 leave partial 8-position steps, capacities leave
-// the q8 scale arrays' padding); checks the written K/V row too.
+// the q8 scale arrays' padding); checks the written K/V row too. q8 on tensor
+// cores takes the queries as 16-bit codes: the reference rounds them alike.
 TEST(CudaAttention, SplitDecodeMatchesCpu) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(17);
@@ -978,6 +979,16 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
         for (int hh = 0; hh < nh; ++hh) {
           cpu::rms_norm(&qkv[size_t(hh) * qhs], qn.data(), hd, 1e-6f, &q[size_t(hh) * hd]);
           cpu::rope_neox(&q[size_t(hh) * hd], cs.rot, pos, 1e6f);
+          // q8 on tensor cores: the scores take each query as a 16-bit code
+          // under its head's largest value, code * max / 32512.
+          if (mode == 3 && hd % 64 == 0) {
+            float* qh = &q[size_t(hh) * hd];
+            float m = 0.f;
+            for (int e = 0; e < hd; ++e) m = std::max(m, std::fabs(qh[e]));
+            const float inv = m > 0.f ? 32512.f / m : 0.f;
+            for (int e = 0; e < hd; ++e)
+              qh[e] = static_cast<float>(std::clamp(std::lrint(qh[e] * inv), -32512l, 32512l)) * (m / 32512.f);
+          }
         }
         std::vector<float> kcpu(size_t(n) * nkv * hd), vcpu(kcpu.size());
         for (int kh = 0; kh < nkv; ++kh) {

@@ -159,7 +159,8 @@ struct TcSmem {
   static constexpr int qbuf = ring + ring_floats;                  // qs [8][HD], then qf [HD / 16][32] uint4
   static constexpr int knorm = qbuf + 8 * HD;                      // [HD]
   static constexpr int rope = knorm + HD;                          // [HD]: cos, sin of the position
-  static constexpr int mml = rope + HD;                            // [warps][8][2], then pw and aw
+  static constexpr int qint = rope + HD;                           // q8: [8 heads][4] (build_q_codes)
+  static constexpr int mml = qint + 32;                            // [warps][8][2], then pw and aw
   static constexpr int total = mml + kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads;
   static_assert(ring_floats >= kAttnWarps * kAttnHeads * HD, "the merge fits in the ring");
 };
@@ -173,16 +174,14 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
 // The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
 // {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
 // head g, written over the staged queries qs (read first, then a barrier).
-// With a q8 cache the fragments are f16 and a k-step's dims are permuted to
-// match the K operand (q8_frag_b below): {hi (dims 4t, 4t + 1), lo (same),
-// hi (dims 4t + 2, 4t + 3), lo (same)}.
+// (hi, lo) of two floats in f16 (the q8 loop's P operand).
 __device__ __forceinline__ void split_f16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);
   const __half2 l = __floats2half2_rn(x0 - __low2float(h), x1 - __high2float(h));
   memcpy(&hi, &h, 4);
   memcpy(&lo, &l, 4);
 }
-template <int HD, int KT>
+template <int HD>
 __device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
   constexpr int NF = (HD / 16) * 32, NE = (NF + kAttnThreads - 1) / kAttnThreads;
   uint4 f[NE];
@@ -191,15 +190,9 @@ __device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int ti
     const int idx = tid + u * kAttnThreads;
     if (idx < NF) {
       const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
-      if constexpr (KT == 2) {
-        const float* q = qs + g * HD + 16 * j + 4 * t;
-        split_f16(q[0], q[1], f[u].x, f[u].y);
-        split_f16(q[2], q[3], f[u].z, f[u].w);
-      } else {
-        const float* q = qs + g * HD + 16 * j + 2 * t;
-        split_bf16(q[0], q[1], f[u].x, f[u].y);
-        split_bf16(q[8], q[9], f[u].z, f[u].w);
-      }
+      const float* q = qs + g * HD + 16 * j + 2 * t;
+      split_bf16(q[0], q[1], f[u].x, f[u].y);
+      split_bf16(q[8], q[9], f[u].z, f[u].w);
     }
   }
   __syncthreads();
@@ -326,6 +319,87 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += a . b, m16n8k32, s8 (a) times u8 (b), exact in s32.
+__device__ __forceinline__ void mma_s8u8(int (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// A query's 16-bit code under inv = 32512 / max |q| of its head.
+__device__ __forceinline__ int q_code16(float x, float inv) {
+  return max(-32512, min(32512, __float2int_rn(x * inv)));
+}
+// Four codes' s8 parts (code = 256 hi + lo), packed by k order.
+__device__ __forceinline__ void pack_q_parts(const float* q, float inv, uint32_t& hi, uint32_t& lo) {
+  hi = lo = 0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = q_code16(q[i], inv), h = (c + 128) >> 8, l = c - 256 * h;
+    hi |= (static_cast<uint32_t>(h) & 0xFFu) << (8 * i);
+    lo |= (static_cast<uint32_t>(l) & 0xFFu) << (8 * i);
+  }
+}
+// For the q8 cache the scores run on s8 x u8 mma: the queries as 16-bit
+// codes per head (rn(q * 32512 / max |q|), 15 bits under the head's largest,
+// as v16's matvec inputs), in two s8 parts, the A operand of m16n8k32:
+// qf[J * 32 + lane] = {hi (dims 32J + 4t .. + 3), lo (same), hi (dims 32J +
+// 16 + 4t .. + 3), lo (same)} of head g; qi[4g ..] = {max / 32512, 32512 /
+// max, 128 sum hi, 128 sum lo} (the K codes are offset binary: each product
+// carries 128 q). Written over the staged queries (read first, then a barrier).
+template <int HD, int NT>
+__device__ __forceinline__ void build_q_codes(const float* qs, uint4* qf, float* qi, int tid) {
+  constexpr int NW = NT / 32, DPL = HD / 32;
+  const int lane = tid & 31, warp = tid >> 5;
+  for (int g = warp; g < kAttnHeads; g += NW) {
+    float m = 0.f;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) m = fmaxf(m, fabsf(qs[g * HD + lane + 32 * d]));
+    m = warp_max(m);
+    const float inv = m > 0.f ? __fdiv_rn(32512.f, m) : 0.f;
+    int shi = 0, slo = 0;
+#pragma unroll
+    for (int d = 0; d < DPL; ++d) {
+      const int c = q_code16(qs[g * HD + lane + 32 * d], inv), h = (c + 128) >> 8;
+      shi += h;
+      slo += c - 256 * h;
+    }
+    shi = __reduce_add_sync(0xffffffffu, shi);
+    slo = __reduce_add_sync(0xffffffffu, slo);
+    if (lane == 0) {
+      qi[4 * g] = m / 32512.f;
+      qi[4 * g + 1] = inv;
+      qi[4 * g + 2] = __int_as_float(128 * shi);
+      qi[4 * g + 3] = __int_as_float(128 * slo);
+    }
+  }
+  __syncthreads();
+  constexpr int NF = (HD / 32) * 32, NE = (NF + NT - 1) / NT;
+  uint4 f[NE];
+#pragma unroll
+  for (int u = 0; u < NE; ++u) {
+    const int idx = tid + u * NT;
+    if (idx < NF) {
+      const int J = idx >> 5, l = idx & 31, g = l >> 2, t = l & 3;
+      const float inv = qi[4 * g + 1];
+      const float* q = qs + g * HD + 32 * J + 4 * t;
+      pack_q_parts(q, inv, f[u].x, f[u].y);
+      pack_q_parts(q + 16, inv, f[u].z, f[u].w);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < NE; ++u)
+    if (tid + u * NT < NF) qf[tid + u * NT] = f[u];
+}
+// Head g's query constants for the q8 scores (from build_q_codes).
+struct QInt {
+  float step;  // max |q| / 32512
+  int hs, ls;  // 128 sum hi, 128 sum lo
+};
+
 // Rows b .. b + 7 of K and V and their scales into a slot; rows at or past p1
 // are zero-filled (their scales: whole 4-row pieces past p1; the rest of a
 // piece is masked by the step).
@@ -349,35 +423,37 @@ __device__ __forceinline__ void tc_issue_q8(uint8_t* dst, const uint8_t* kc, con
   }
 }
 
-// One step of 8 positions from a q8 slot. Scores: per 16 dims one ldmatrix
-// 8x8 (b16) of K codes gives lane (g, t) dims 4t .. 4t + 3 of position g,
-// i.e. the B operand of one f16 m16n8k16 under the permuted k order of the
-// q fragments; times the row's scale. P V: one ldmatrix.trans 8x8 gives dims
-// 2g and 2g + 1 of positions 2t, 2t + 1, the A operand of one mma whose rows
-// are dims 2g (rows 0-7) and 2g + 1 (rows 8-15); P carries the V scales.
+// One step of 8 positions from a q8 slot. Scores: s8 x u8 mma on the codes
+// (below), exact in s32, then the query's and the row's scales. P V: one
+// ldmatrix.trans 8x8 (b16) of V codes gives lane (g, t) dims 2g and 2g + 1
+// of positions 2t, 2t + 1, taken to f16 (q8_pair_f16): the A operand of one
+// f16 mma whose rows are dims 2g (rows 0-7) and 2g + 1 (rows 8-15); P
+// carries the V scales.
 template <int HD>
-__device__ __forceinline__ void tc_step_q8(TcState<HD>& st, const uint8_t* slot, const uint4* qf, int b, int p1,
-                                           float scale, int lane) {
+__device__ __forceinline__ void tc_step_q8(TcState<HD>& st, const uint8_t* slot, const uint4* qf, const QInt& qi,
+                                           int b, int p1, float scale, int lane) {
   using T = Q8Tile<HD>;
   const int t = lane & 3, mi = lane >> 3, r = lane & 7;
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  // Scores: an ldmatrix of the K codes gives lane (g, t) bytes 4t .. 4t + 3
+  // of position g in each 16-dim piece, the u8 B operand of m16n8k32 as it
+  // is (two pieces per mma); rows 0-7 of A are the queries' hi parts, 8-15
+  // their lo parts.
+  int c[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < HD / 16; j += 4) {
     uint32_t kb[4];
     ldmatrix_x4(kb, slot + T::off(r, j + mi));
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const uint4 a = qf[(j + u) * 32 + lane];
-      const uint32_t fa[4] = {a.x, a.y, a.z, a.w};
-      mma_f16(c, fa, q8_pair_f16(kb[u], 0x4140), q8_pair_f16(kb[u], 0x4342));
-    }
+    mma_s8u8(c, qf[(j / 2) * 32 + lane], kb[0], kb[1]);
+    mma_s8u8(c, qf[(j / 2 + 1) * 32 + lane], kb[2], kb[3]);
   }
   const float* sc = reinterpret_cast<const float*>(slot + T::scales);
   const float2 sk = *reinterpret_cast<const float2*>(sc + 2 * t);
   const float2 sv = *reinterpret_cast<const float2*>(sc + 8 + 2 * t);
   const int pa = b + 2 * t;
-  const float s0 = pa < p1 ? (c[0] + c[2]) * sk.x * scale : -INFINITY;
-  const float s1 = pa + 1 < p1 ? (c[1] + c[3]) * sk.y * scale : -INFINITY;
+  const float d0 = 256.f * static_cast<float>(c[0] - qi.hs) + static_cast<float>(c[2] - qi.ls);
+  const float d1 = 256.f * static_cast<float>(c[1] - qi.hs) + static_cast<float>(c[3] - qi.ls);
+  const float s0 = pa < p1 ? d0 * qi.step * sk.x * scale : -INFINITY;
+  const float s1 = pa + 1 < p1 ? d1 * qi.step * sk.y * scale : -INFINITY;
   float e0, e1;
   tc_online_softmax(st, s0, s1, t, e0, e1);
   uint32_t phi, plo;
@@ -437,9 +513,11 @@ __device__ __forceinline__ int tc_prefetch(const TcSrc& src, char* ring, int p0,
 // unnormalised output in mml / macc as the CUDA-core loop does (after a block
 // barrier: the ring overlaps macc).
 template <int HD, int KT>
-__device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, char* ring, float* macc, float* mml, int p0,
-                                  int p1, int issued, int warp, int lane) {
+__device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, const float* qint, char* ring, float* macc,
+                                  float* mml, int p0, int p1, int issued, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
+  QInt qi{0.f, 0, 0};
+  if constexpr (KT == 2) qi = QInt{qint[4 * g], __float_as_int(qint[4 * g + 2]), __float_as_int(qint[4 * g + 3])};
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   TcState<HD> st;
 #pragma unroll
@@ -461,8 +539,8 @@ __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, char* ring,
     cp_async_wait<kTcStages - 1>();
     __syncwarp();
     if constexpr (KT == 2)
-      tc_step_q8<HD>(st, reinterpret_cast<const uint8_t*>(my + (k % kTcStages) * kSlot), qf, b0 + k * kStride, p1,
-                     scale, lane);
+      tc_step_q8<HD>(st, reinterpret_cast<const uint8_t*>(my + (k % kTcStages) * kSlot), qf, qi, b0 + k * kStride,
+                     p1, scale, lane);
     else
       tc_step<HD>(st, reinterpret_cast<const uint16_t*>(my + (k % kTcStages) * kSlot), qf, b0 + k * kStride, p1,
                   scale, lane);
@@ -616,7 +694,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
     x[i + half] = x2 * c + x1 * s;
   }
   __syncthreads();
-  if constexpr (TC) build_q_frags<HD, KT>(qs, reinterpret_cast<uint4*>(qs), tid);
+  if constexpr (TC && Q8) build_q_codes<HD, kAttnThreads>(qs, reinterpret_cast<uint4*>(qs), sm + TcSmem<HD, KT>::qint, tid);
+  else if constexpr (TC) build_q_frags<HD>(qs, reinterpret_cast<uint4*>(qs), tid);
   if constexpr (Q8) {
     if (writer && warp == 0) q8_store_row_warp(knorm, HD, reinterpret_cast<uint8_t*>(kc) + size_t(pos) * HD, ksc + pos, lane);
   } else if (writer) {
@@ -629,8 +708,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   trace_mark(p.trace, 2);
 
   if constexpr (TC) {
-    attention_tc_loop<HD, KT>(src, reinterpret_cast<const uint4*>(qs), reinterpret_cast<char*>(sm + TcSmem<HD, KT>::ring),
-                              macc, mml, p0, p1, issued, warp, lane);
+    attention_tc_loop<HD, KT>(src, reinterpret_cast<const uint4*>(qs), sm + TcSmem<HD, KT>::qint,
+                              reinterpret_cast<char*>(sm + TcSmem<HD, KT>::ring), macc, mml, p0, p1, issued, warp, lane);
   } else {
     const float scale = 1.f / sqrtf(static_cast<float>(HD));
     float acc[kAttnHeads][DPL];
