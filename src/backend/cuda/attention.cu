@@ -171,9 +171,6 @@ __device__ __forceinline__ void split_bf16(float x0, float x1, uint32_t& hi, uin
   lo = pack_bf16x2(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xFFFF0000u));
 }
 
-// The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
-// {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
-// head g, written over the staged queries qs (read first, then a barrier).
 // (hi, lo) of two floats in f16 (the q8 loop's P operand).
 __device__ __forceinline__ void split_f16(float x0, float x1, uint32_t& hi, uint32_t& lo) {
   const __half2 h = __floats2half2_rn(x0, x1);
@@ -181,24 +178,33 @@ __device__ __forceinline__ void split_f16(float x0, float x1, uint32_t& hi, uint
   memcpy(&hi, &h, 4);
   memcpy(&lo, &l, 4);
 }
-template <int HD>
-__device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
-  constexpr int NF = (HD / 16) * 32, NE = (NF + kAttnThreads - 1) / kAttnThreads;
+// Fragments qf[0 .. NF) made by make(idx) from the staged queries and
+// written over them (every thread reads first, then a barrier).
+template <int NF, int NT, typename Make>
+__device__ __forceinline__ void build_frags(uint4* qf, int tid, Make make) {
+  constexpr int NE = (NF + NT - 1) / NT;
   uint4 f[NE];
 #pragma unroll
-  for (int u = 0; u < NE; ++u) {
-    const int idx = tid + u * kAttnThreads;
-    if (idx < NF) {
-      const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
-      const float* q = qs + g * HD + 16 * j + 2 * t;
-      split_bf16(q[0], q[1], f[u].x, f[u].y);
-      split_bf16(q[8], q[9], f[u].z, f[u].w);
-    }
-  }
+  for (int u = 0; u < NE; ++u)
+    if (tid + u * NT < NF) f[u] = make(tid + u * NT);
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < NE; ++u)
-    if (tid + u * kAttnThreads < NF) qf[tid + u * kAttnThreads] = f[u];
+    if (tid + u * NT < NF) qf[tid + u * NT] = f[u];
+}
+// The queries' A fragments of every k-step j (dims 16j ..), qf[j * 32 + lane] =
+// {hi (dims 2t, 2t + 1), lo (same), hi (dims 2t + 8, 2t + 9), lo (same)} of
+// head g, written over the staged queries qs.
+template <int HD>
+__device__ __forceinline__ void build_q_frags(const float* qs, uint4* qf, int tid) {
+  build_frags<(HD / 16) * 32, kAttnThreads>(qf, tid, [&](int idx) {
+    const int j = idx >> 5, lane = idx & 31, g = lane >> 2, t = lane & 3;
+    const float* q = qs + g * HD + 16 * j + 2 * t;
+    uint4 v;
+    split_bf16(q[0], q[1], v.x, v.y);
+    split_bf16(q[8], q[9], v.z, v.w);
+    return v;
+  });
 }
 
 // Rows b .. b + 7 of K and V into ring slot `dst` ([K, V][8][HD] bf16); rows
@@ -376,23 +382,15 @@ __device__ __forceinline__ void build_q_codes(const float* qs, uint4* qf, float*
     }
   }
   __syncthreads();
-  constexpr int NF = (HD / 32) * 32, NE = (NF + NT - 1) / NT;
-  uint4 f[NE];
-#pragma unroll
-  for (int u = 0; u < NE; ++u) {
-    const int idx = tid + u * NT;
-    if (idx < NF) {
-      const int J = idx >> 5, l = idx & 31, g = l >> 2, t = l & 3;
-      const float inv = qi[4 * g + 1];
-      const float* q = qs + g * HD + 32 * J + 4 * t;
-      pack_q_parts(q, inv, f[u].x, f[u].y);
-      pack_q_parts(q + 16, inv, f[u].z, f[u].w);
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < NE; ++u)
-    if (tid + u * NT < NF) qf[tid + u * NT] = f[u];
+  build_frags<(HD / 32) * 32, NT>(qf, tid, [&](int idx) {
+    const int J = idx >> 5, l = idx & 31, g = l >> 2, t = l & 3;
+    const float inv = qi[4 * g + 1];
+    const float* q = qs + g * HD + 32 * J + 4 * t;
+    uint4 v;
+    pack_q_parts(q, inv, v.x, v.y);
+    pack_q_parts(q + 16, inv, v.z, v.w);
+    return v;
+  });
 }
 // Head g's query constants for the q8 scores (from build_q_codes).
 struct QInt {
