@@ -98,7 +98,8 @@ ServedModel load_served_model(const ModelLoadOptions& o) {
     t0 = Clock::now();
     say("starting the " + o.backend.kind + " backend");
     m.backend = make_backend(std::move(weights), o.backend);
-    say(str_cat("  ready (", std::chrono::duration<double>(Clock::now() - t0).count(), " s)"));
+    say(str_cat("  ready: ", m.backend->name(), " backend (", std::chrono::duration<double>(Clock::now() - t0).count(),
+                " s)"));
   }
 
   if (m.tokenizer->vocab_size() > cfg.vocab_size)
