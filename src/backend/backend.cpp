@@ -16,7 +16,8 @@ std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
                                       const BackendOptions& options) {
   const std::string kind = options.kind == "auto" ? default_backend_kind() : options.kind;
   const std::string& kv = options.kv_cache;
-  if (!kv.empty() && kv != "bf16" && kv != "q8" && kv != "f32")
+  cuda::KvType kv_type = cuda::KvType::BF16;
+  if (!kv.empty() && !cuda::parse_kv_type(kv, kv_type))
     fail("KV cache type '", kv, "': expected bf16, q8 or f32");
   if (kind == "cpu") {
     if (!kv.empty() && kv != "f32" && options.kind == "cpu")
@@ -26,7 +27,7 @@ std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
   if (kind == "cuda") {
 #ifdef LILY_HAVE_CUDA
     cuda::CudaOptions o = cuda::options_from_env();
-    if (!kv.empty()) cuda::parse_kv_type(kv, o.kv);
+    if (!kv.empty()) o.kv = kv_type;
     return cuda::make_cuda_backend(std::move(weights), o);
 #else
     fail("backend 'cuda' is not available: lily was built without CUDA (nvcc not found)");

@@ -2,9 +2,10 @@
 //
 // Block (context split, KV head, group of <= 8 query heads): all query heads
 // that share the KV head are handled together, so each cached K/V row is read
-// once per step. A bf16 cache with head_dim 64 / 128 / 256 runs on tensor
-// cores (attention_tc_loop below; at 128K 1.07x the step of the CUDA-core
-// loop, which stays for f32 caches, head_dim 32 and LILY_CUDA_ATTN_TC=0).
+// once per step. A bf16 or q8 cache with head_dim 64 / 128 / 256 runs on
+// tensor cores (attention_tc_loop below; bf16 at 128K 1.07x the step of the
+// CUDA-core loop, which stays for f32 caches, head_dim 32 and
+// LILY_CUDA_ATTN_TC=0; q8 scores on s8 x u8 mma, tc_step_q8).
 // The CUDA-core loop: lanes split head_dim; a warp takes 4 positions at a time,
 // reduces the 4 x 8 partial dot products with a reduce-scatter across the
 // lanes (31 shuffles for 32 sums), keeps an online softmax per head and
@@ -32,10 +33,9 @@ __host__ __device__ inline int split_len(int n, int max_splits, int min_split) {
   return per < min_split ? min_split : per;
 }
 
-// KT: the cache's KvType as an int (0 f32, 1 bf16, 2 q8).
-template <int DPL, int KT>
+template <int DPL, KvType KT>
 struct KvRow {
-  static constexpr bool BF = KT == 1, Q8 = KT == 2;
+  static constexpr bool BF = KT == KvType::BF16, Q8 = KT == KvType::Q8;
   static constexpr int W = Q8 ? (DPL + 3) / 4 : BF ? (DPL >= 2 ? DPL / 2 : 1) : DPL;
   uint32_t r[W];
   float s;  // q8: the row's scale
@@ -138,6 +138,8 @@ using prefill_detail::cp_async_wait;
 using prefill_detail::ldmatrix_x4;
 using prefill_detail::ldmatrix_x4_trans;
 using prefill_detail::mma_bf16;
+using prefill_detail::mma_f16;
+using prefill_detail::mma_s8u8;
 using prefill_detail::pack_bf16x2;
 
 // Floats of shared memory per block: the K / V ring (whose first
@@ -147,15 +149,15 @@ using prefill_detail::pack_bf16x2;
 // the prologue uses: its first steps are requested before the wait.
 // Bytes of one ring slot (8 positions): K and V in bf16, or q8 codes and
 // their 8 + 8 scales.
-template <int HD, int KT>
-constexpr int tc_slot_bytes() { return KT == 2 ? 16 * HD + 64 : 32 * HD; }
+template <int HD, KvType KT>
+constexpr int tc_slot_bytes() { return KT == KvType::Q8 ? 16 * HD + 64 : 32 * HD; }
 // The ring is as large for a q8 cache as for a bf16 one although its slots
 // are half as big: with a smaller footprint the pre-launched blocks pile up
 // three to an SM on the SMs that free up first (v17: -4% at 128K).
-template <int HD, int KT>
+template <int HD, KvType KT>
 struct TcSmem {
   static constexpr int ring = 0;                                   // [warp][stage] slots
-  static constexpr int ring_floats = kAttnWarps * kTcStages * tc_slot_bytes<HD, 1>() / 4;
+  static constexpr int ring_floats = kAttnWarps * kTcStages * tc_slot_bytes<HD, KvType::BF16>() / 4;
   static constexpr int qbuf = ring + ring_floats;                  // qs [8][HD], then qf [HD / 16][32] uint4
   static constexpr int knorm = qbuf + 8 * HD;                      // [HD]
   static constexpr int rope = knorm + HD;                          // [HD]: cos, sin of the position
@@ -163,6 +165,7 @@ struct TcSmem {
   static constexpr int mml = qint + 32;                            // [warps][8][2], then pw and aw
   static constexpr int total = mml + kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads;
   static_assert(ring_floats >= kAttnWarps * kAttnHeads * HD, "the merge fits in the ring");
+  static_assert(tc_slot_bytes<HD, KT>() <= tc_slot_bytes<HD, KvType::BF16>(), "the ring holds kTcStages slots");
 };
 
 // (hi, lo) of two floats: hi = bf16(x), lo = bf16(x - hi).
@@ -303,7 +306,6 @@ struct Q8Tile {
   static constexpr int scales = 16 * HD;  // byte offset of the K scales
   __device__ static __forceinline__ int off(int r, int c) { return r * HD + ((c ^ ((r >> LS) & M)) << 4); }
 };
-static_assert(16 * 64 + 64 <= 32 * 64, "a q8 slot fits in a bf16 slot");
 
 // Two offset-binary code bytes of w (selected by sel) as an f16x2 of the
 // codes: bytes under 0x64 read 1024 + u, minus 1152 exactly.
@@ -315,23 +317,6 @@ __device__ __forceinline__ uint32_t q8_pair_f16(uint32_t w, uint32_t sel) {
   uint32_t r;
   memcpy(&r, &x, 4);
   return r;
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// d += a . b, m16n8k32, s8 (a) times u8 (b), exact in s32.
-__device__ __forceinline__ void mma_s8u8(int (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
 // A query's 16-bit code under inv = 32512 / max |q| of its head.
@@ -476,9 +461,9 @@ struct TcSrc {
   const float* ks;  // q8 scales
   const float* vs;
 };
-template <int HD, int KT>
+template <int HD, KvType KT>
 __device__ __forceinline__ void tc_issue_any(char* dst, const TcSrc& src, int b, int p1, int lane) {
-  if constexpr (KT == 2)
+  if constexpr (KT == KvType::Q8)
     tc_issue_q8<HD>(reinterpret_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src.k),
                     static_cast<const uint8_t*>(src.v), src.ks, src.vs, b, p1, lane);
   else
@@ -490,7 +475,7 @@ __device__ __forceinline__ void tc_issue_any(char* dst, const TcSrc& src, int b,
 // as they end before `pos` (the new row, written after the wait): called
 // before the wait, it returns how many went out.
 constexpr int kTcStride = kAttnWarps * 8;  // positions between a warp's steps
-template <int HD, int KT>
+template <int HD, KvType KT>
 __device__ __forceinline__ int tc_prefetch(const TcSrc& src, char* ring, int p0, int p1, int pos, int warp,
                                            int lane) {
   constexpr int kSlot = tc_slot_bytes<HD, KT>();
@@ -510,12 +495,12 @@ __device__ __forceinline__ int tc_prefetch(const TcSrc& src, char* ring, int p0,
 // `issued` steps already requested); leaves (max, sum) per head and the
 // unnormalised output in mml / macc as the CUDA-core loop does (after a block
 // barrier: the ring overlaps macc).
-template <int HD, int KT>
+template <int HD, KvType KT>
 __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, const float* qint, char* ring, float* macc,
                                   float* mml, int p0, int p1, int issued, int warp, int lane) {
   const int g = lane >> 2, t = lane & 3;
   QInt qi{0.f, 0, 0};
-  if constexpr (KT == 2) qi = QInt{qint[4 * g], __float_as_int(qint[4 * g + 2]), __float_as_int(qint[4 * g + 3])};
+  if constexpr (KT == KvType::Q8) qi = QInt{qint[4 * g], __float_as_int(qint[4 * g + 2]), __float_as_int(qint[4 * g + 3])};
   const float scale = 1.f / sqrtf(static_cast<float>(HD));
   TcState<HD> st;
 #pragma unroll
@@ -536,7 +521,7 @@ __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, const float
     cp_async_commit();
     cp_async_wait<kTcStages - 1>();
     __syncwarp();
-    if constexpr (KT == 2)
+    if constexpr (KT == KvType::Q8)
       tc_step_q8<HD>(st, reinterpret_cast<const uint8_t*>(my + (k % kTcStages) * kSlot), qf, qi, b0 + k * kStride,
                      p1, scale, lane);
     else
@@ -553,7 +538,7 @@ __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, const float
     mml[(warp * kAttnHeads + g) * 2 + 1] = l;
   }
   // Tile m's rows: dims 16m + g and 16m + 8 + g (bf16), 16m + 2g and 16m + 2g + 1 (q8).
-  constexpr int d0 = KT == 2 ? 2 : 1, d1 = KT == 2 ? 1 : 8;
+  constexpr int d0 = KT == KvType::Q8 ? 2 : 1, d1 = KT == KvType::Q8 ? 1 : 8;
 #pragma unroll
   for (int m = 0; m < HD / 16; ++m) {
     float* o0 = macc + (warp * kAttnHeads + 2 * t) * HD + 16 * m + d0 * g;
@@ -565,7 +550,7 @@ __device__ void attention_tc_loop(const TcSrc& src, const uint4* qf, const float
   }
 }
 
-template <int HD, int KT, bool TC>
+template <int HD, KvType KT, bool TC>
 __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int DPL = HD / 32;
   trace_mark(p.trace, 0);
@@ -584,7 +569,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attention_kernel(const __grid
   extern __shared__ __align__(16) float sm[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t head_base = size_t(kvh) * p.capacity * HD;
-  constexpr bool BF = KT == 1, Q8 = KT == 2;
+  constexpr bool BF = KT == KvType::BF16, Q8 = KT == KvType::Q8;
   constexpr int ES = Q8 ? 1 : BF ? 2 : 4;
   char* kc = static_cast<char*>(p.k_cache) + head_base * ES;
   char* vc = static_cast<char*>(p.v_cache) + head_base * ES;
@@ -893,7 +878,7 @@ __global__ void __launch_bounds__(kCombineThreads * kCombineGroups) attention_co
   p.out[size_t(h) * HD + e] = t;
 }
 
-template <int HD, int KT>
+template <int HD, KvType KT>
 void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   const size_t smem = (size_t(kAttnHeads) * HD + size_t(kAttnWarps) * kAttnHeads * HD +
                        kAttnWarps * kAttnHeads * 2 + kAttnWarps * 32 + kAttnWarps * kAttnHeads + HD) *
@@ -901,7 +886,7 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
     LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, KT, false>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    if constexpr (KT != 0 && HD % 64 == 0)
+    if constexpr (KT != KvType::F32 && HD % 64 == 0)
       LILY_CUDA(cudaFuncSetAttribute(attention_kernel<HD, KT, true>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     return true;
@@ -913,7 +898,7 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
   q.trace = next_trace();
   q.prefetch = env_switch("LILY_CUDA_ATTN_PREFETCH", 1);  // an A/B switch
   // Tensor cores for a bf16 or q8 cache (LILY_CUDA_ATTN_TC=0: the CUDA-core loop).
-  if constexpr (KT != 0 && HD % 64 == 0) {
+  if constexpr (KT != KvType::F32 && HD % 64 == 0) {
     if (env_switch("LILY_CUDA_ATTN_TC", 1)) {
       launch_kernel("attention", attention_kernel<HD, KT, true>, grid, dim3(kAttnThreads),
                     size_t(TcSmem<HD, KT>::total) * 4, s, pdl, q);
@@ -926,9 +911,9 @@ void launch_attention_t(const AttentionParams& p, cudaStream_t s, bool pdl) {
 template <int HD>
 void launch_attention_kv(const AttentionParams& p, cudaStream_t s, bool pdl) {
   switch (p.kv) {
-    case KvType::F32: return launch_attention_t<HD, 0>(p, s, pdl);
-    case KvType::BF16: return launch_attention_t<HD, 1>(p, s, pdl);
-    case KvType::Q8: return launch_attention_t<HD, 2>(p, s, pdl);
+    case KvType::F32: return launch_attention_t<HD, KvType::F32>(p, s, pdl);
+    case KvType::BF16: return launch_attention_t<HD, KvType::BF16>(p, s, pdl);
+    case KvType::Q8: return launch_attention_t<HD, KvType::Q8>(p, s, pdl);
   }
   fail("attention: unknown KV type");
 }
