@@ -976,8 +976,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     } else {
       stage_fast<F, XB>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
       if constexpr (Route) {
-        // The selection, then the routed loads at once (v18: 0.8 us before
-        // the routing warp leaves route_warp).
+        // Wait for the selection only, then issue the routed loads (the
+        // routing warp still works out the weights; v18).
         named_bar(kRouteSelBar, blockDim.x);
         issue_first();
       }

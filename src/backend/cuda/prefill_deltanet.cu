@@ -75,13 +75,6 @@ __device__ __forceinline__ uint32_t tf32(float f) {
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
   return r;
 }
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // A(m, k) = M[k0 + k][m0 + m] * f[k0 + k]
 __device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const float* M, int ld, const float* f, int m0,
                                          int k0, int g, int t) {
