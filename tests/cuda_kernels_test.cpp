@@ -1107,6 +1107,45 @@ TEST(CudaKvQ8, StoreAndExpandMatchHostTwin) {
   }
 }
 
+// The hand-over probe (lily bench --handover): one launch of each rung from
+// a random x against its host twin, y[o] = x[o] / 2 + 1e-3 v scale (v the
+// sum of warp o % 8's 256 inputs, scale 1 / rms(x) from stage 2 on; zero
+// weights, so stage 3's dot products add nothing), stage 0 copying x[0]
+// only; a stage out of range is refused.
+TEST(CudaHandoverProbe, ChainsMatchTheHostTwin) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(41);
+  const int N = 2048, blocks = 264;
+  const auto x0 = random_vec(N, rng);
+  DeviceBuffer w(size_t(blocks) * 1024 * 16);
+  LILY_CUDA(cudaMemset(w.get(), 0, w.bytes()));  // zero weights: the dot products add nothing
+  for (int stage = 0; stage <= 3; ++stage)
+    for (int pre : {0, 4}) {
+      SCOPED_TRACE("stage " + std::to_string(stage) + " pre " + std::to_string(pre));
+      auto a = to_device(x0), b = poisoned(N);
+      cuda::launch_handover_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), stage, pre, blocks, nullptr, true);
+      const auto y = to_host<float>(b, N);
+      if (stage == 0) {
+        EXPECT_EQ(y[0], x0[0]);
+        continue;
+      }
+      // Host twin: per block of 8 warps, warp k's v is the sum over its 32
+      // lanes' 8 inputs; the scale is 1 / rms(x) from stage 2 on.
+      double ss = 0;
+      for (float v : x0) ss += double(v) * v;
+      const float scale = stage >= 2 ? float(1.0 / std::sqrt(ss / N + 1e-6)) : 1.f;
+      double worst = 0;
+      for (int o = 0; o < N; ++o) {
+        double v = 0;
+        for (int i = 0; i < 256; ++i) v += x0[size_t(o % 8) * 256 + i];  // warp o % 8's 32 lanes x 8 inputs
+        const double want = 0.5 * x0[o] + 1e-3 * v * scale;
+        worst = std::max(worst, std::fabs(y[o] - want));
+      }
+      EXPECT_LT(worst, 1e-5);
+    }
+  EXPECT_THROW(cuda::launch_handover_probe(nullptr, nullptr, nullptr, 4, 0, blocks, nullptr, false), Error);
+}
+
 TEST(CudaEmbed, LookupMatchesCpuDequantization) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(21);

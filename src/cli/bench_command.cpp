@@ -59,6 +59,7 @@ struct Setup {
   uint64_t seed = 1;
   bool profile = false;
   bool trace = false;
+  bool handover = false;  // --handover: the hand-over probe (cuda)
 };
 
 // FLOPs of a prefill of n tokens from an empty cache (multiply-adds x 2).
@@ -213,6 +214,28 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   j["empty_kernel_us_no_pdl"] = empty_nopdl;
   std::printf("graph captured with PDL: %s   empty-kernel graph: %.2f us/launch with PDL, %.2f without\n",
               j["graph_pdl"].get<bool>() ? "yes" : "no", empty_pdl, empty_nopdl);
+  if (s.handover) {
+    // The hand-over probe: 212 dependent launches of 264 blocks, the
+    // ingredients of a matvec's setup added one at a time (docs/cuda-decode.md,
+    // "v19").
+    struct Rung {
+      const char* name;
+      int stage, pre;
+    };
+    const Rung rungs[] = {{"empty", 0, 0},           {"x read", 1, 0},
+                          {"x + norm", 2, 0},        {"x + norm + codes", 3, 0},
+                          {"x + 16 KB pre-wait", 1, 4}, {"x + norm + codes + 16 KB pre-wait", 3, 4},
+                          {"x + norm + codes + 8 KB pre-wait", 3, 2}};
+    nlohmann::ordered_json hj = nlohmann::ordered_json::array();
+    std::printf("hand-over probe (212 dependent launches x 264 blocks, us per launch, PDL / no PDL):\n");
+    for (const Rung& r : rungs) {
+      const double a = b->handover_probe_us(212, 264, r.stage, r.pre, true);
+      const double c = b->handover_probe_us(212, 264, r.stage, r.pre, false);
+      std::printf("  %-36s %6.2f %6.2f\n", r.name, a, c);
+      hj.push_back({{"rung", r.name}, {"us_pdl", a}, {"us_no_pdl", c}});
+    }
+    j["handover_probe"] = hj;
+  }
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,
               b->step_launches());
@@ -397,7 +420,7 @@ int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill"},
-         {"--profile", "--trace"});
+         {"--profile", "--trace", "--handover"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
@@ -408,6 +431,7 @@ int cmd_bench(int argc, char** argv) {
   s.seed = static_cast<uint64_t>(a.integer("--seed", 1, 0, 1ll << 62));
   s.profile = a.has("--profile");
   s.trace = a.has("--trace");
+  s.handover = a.has("--handover");
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
   std::unique_ptr<ModelWeights> w;
   if (a.has("--synthetic")) {

@@ -1560,6 +1560,29 @@ double CudaBackend::empty_graph_us(int launches, int blocks, bool pdl) {
   return ms * 1e3 / launches;
 }
 
+double CudaBackend::handover_probe_us(int launches, int blocks, int stage, int pre, bool pdl) {
+  Impl& m = *impl_;
+  DeviceBuffer x(2048 * 4), y(2048 * 4);
+  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
+  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
+  // A distinct 16 KB per block and launch (no launch's weights in the L2
+  // from an earlier one: 4.3 MB per launch at 264 blocks).
+  const size_t per_launch = size_t(blocks) * 1024;  // uint4 pieces
+  DeviceBuffer w(pre > 0 ? per_launch * launches * 16 : 16);
+  if (pre > 0) LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
+  cudaGraphExec_t exec = capture(m.stream, [&] {
+    for (int i = 0; i < launches; ++i) {
+      const float* in = (i & 1) ? y.as<float>() : x.as<float>();
+      float* out = (i & 1) ? x.as<float>() : y.as<float>();
+      const uint4* wi = w.as<uint4>() + (pre > 0 ? per_launch * i : 0);
+      launch_handover_probe(in, out, wi, stage, pre, blocks, m.stream, pdl);
+    }
+  });
+  const double ms = time_graph_ms(m.stream, exec, 20);
+  cudaGraphExecDestroy(exec);
+  return ms * 1e3 / launches;
+}
+
 bool CudaBackend::graph_uses_pdl(SequenceCache& base) {
   auto& cache = dynamic_cast<CudaCache&>(base);
   impl_->ensure_graph(cache);

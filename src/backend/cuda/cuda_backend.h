@@ -105,6 +105,10 @@ class CudaBackend : public Backend {
   std::vector<KernelTiming> profile_step_graphs(SequenceCache& cache, int replays);
   // Device time of a graph of `launches` empty kernels (launch overhead floor).
   double empty_graph_us(int launches, int blocks, bool pdl);
+  // Device time per launch of a graph of `launches` hand-over probe launches
+  // (launch_handover_probe: the ingredients of a matvec's setup added one at
+  // a time, each launch reading the previous one's output; PDL as given).
+  double handover_probe_us(int launches, int blocks, int stage, int pre, bool pdl);
   // The whole decode step captured once with per-block timeline records
   // (TraceSpec) and replayed; returns the last replay's launches in step
   // order. sm_mhz converts the SM-clock intervals. The cache's position is

@@ -311,6 +311,14 @@ void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl);
 
 // An empty kernel (launch-overhead measurements).
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl);
+// One launch of the hand-over probe chain (bench): y from x (2048 floats,
+// 256 threads per block, at least 256 blocks) after stage 0 (nothing: the
+// empty kernel with one dependent store), 1 (every block reads all of x),
+// 2 (+ the input RMSNorm's block reduction), 3 (+ integer codes in shared
+// memory and the first item's dot products), with pre (0-4) 16-byte weight
+// pieces per thread requested before the wait from w + blockIdx * 16 KB.
+void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, int pre, int blocks,
+                           cudaStream_t s, bool pdl);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
 double measure_sm_clock_mhz(cudaStream_t s);
 

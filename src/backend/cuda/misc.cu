@@ -116,6 +116,76 @@ __global__ void empty_kernel(int* sink) {
   if (sink && threadIdx.x == 0 && blockIdx.x == 0) *sink = 0;
 }
 
+// The hand-over probe (launch_handover_probe): one dependent launch of a
+// chain, built up from the empty kernel one ingredient of a matvec's setup
+// at a time (HandoverProbe). Each block reads all of x (2048 floats, 8 per
+// thread) after the wait, as every matvec block does, and writes 8 of the
+// next launch's inputs, so each launch depends on the previous one through
+// the L2.
+constexpr int kProbeCols = 2048, kProbeThreads = 256;
+__global__ void __launch_bounds__(kProbeThreads) handover_probe_kernel(const float* x, float* y, const uint4* w,
+                                                                       int stage, int pre) {
+  __shared__ float red[kProbeThreads / 32];
+  __shared__ uint2 codes[kProbeThreads];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Weights requested before the wait (a matvec's first item): pre 16-byte
+  // pieces per thread, a distinct slice per block.
+  uint4 wr[4] = {};
+  const uint4* wb = w + (size_t(blockIdx.x) * kProbeThreads + tid) * 4;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (k < pre) wr[k] = ld_stream(wb + k);
+  pdl_wait();
+  pdl_launch_dependents();
+  if (stage == 0) {
+    if (tid == 0 && blockIdx.x == 0) y[0] = x[0];
+    return;
+  }
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4 a = x4[2 * tid], b = x4[2 * tid + 1];
+  float v = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
+  float scale = 1.f;
+  if (stage >= 2) {  // the input RMSNorm: warp sums, a block barrier, the total
+    float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kProbeThreads / 32; ++i) tot += red[i];
+    scale = 1.f / sqrtf(tot / kProbeCols + 1e-6f);
+  }
+  if (stage >= 3) {  // integer codes of the 8 inputs into shared memory, then a block barrier
+    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float inv = m > 0.f ? 127.f / m : 0.f;
+    const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t c[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) c[i] = static_cast<uint32_t>(__float2int_rn(e[i] * scale * inv)) & 0xffu;
+    codes[tid] = make_uint2(c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24, c[4] | c[5] << 8 | c[6] << 16 | c[7] << 24);
+    __syncthreads();
+    // The pre-wait weights against the codes (what the first item computes).
+    int d = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint2 q = codes[(tid + 37 * k) & (kProbeThreads - 1)];
+      d = __dp4a(static_cast<int>(wr[k].x & 0x0f0f0f0fu), static_cast<int>(q.x), d);
+      d = __dp4a(static_cast<int>(wr[k].y & 0x0f0f0f0fu), static_cast<int>(q.y), d);
+    }
+    v += static_cast<float>(d) * 1e-30f;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v += static_cast<float>(wr[k].x & 1u) * 1e-30f;
+  }
+  v = warp_sum(v) * scale;
+  // 8 outputs per block (lane 0 of each warp), the next launch's input.
+  const int o = blockIdx.x * (kProbeThreads / 32) + warp;
+  if (lane == 0 && o < kProbeCols) y[o] = 0.5f * x[o] + 1e-3f * v;
+}
+
 __global__ void clock_probe_kernel(unsigned long long* out, long long cycles) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -177,6 +247,14 @@ void launch_embed_rows(const DevMatView& m, const int* tokens, int T, float* x, 
     case QFmt::BF16: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::BF16>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
     case QFmt::F32: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::F32>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
   }
+}
+
+void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, int pre, int blocks,
+                           cudaStream_t s, bool pdl) {
+  if (stage < 0 || stage > 3 || pre < 0 || pre > 4 || blocks * (kProbeThreads / 32) < kProbeCols)
+    fail("handover probe: stage ", stage, ", ", pre, " pieces, ", blocks, " blocks");
+  launch_kernel("handover_probe", handover_probe_kernel, dim3(blocks), dim3(kProbeThreads), 0, s, pdl, x, y, w,
+                stage, pre);
 }
 
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl) {
