@@ -1112,7 +1112,7 @@ TEST(CudaKvQ8, StoreAndExpandMatchHostTwin) {
 // sum of warp o % 8's 256 inputs, scale 1 / rms(x) from stage 2 on; zero
 // weights, so stage 3's dot products add nothing), stage 0 copying x[0]
 // only; a stage out of range is refused.
-TEST(CudaHandoverProbe, ChainsMatchTheHostTwin) {
+TEST(CudaHandoverProbe, EachRungMatchesTheHostTwin) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(41);
   const int N = 2048, blocks = 264;

@@ -215,9 +215,10 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   std::printf("graph captured with PDL: %s   empty-kernel graph: %.2f us/launch with PDL, %.2f without\n",
               j["graph_pdl"].get<bool>() ? "yes" : "no", empty_pdl, empty_nopdl);
   if (s.handover) {
-    // The hand-over probe: 212 dependent launches of 264 blocks, the
-    // ingredients of a matvec's setup added one at a time (docs/cuda-decode.md,
-    // "v19").
+    // The hand-over probe: as many dependent launches as a decode step has,
+    // of 264 blocks (the step's matvec grid on an H200), the ingredients of a
+    // matvec's setup added one at a time (docs/cuda-decode.md, "v19").
+    const int launches = b->step_launches();
     struct Rung {
       const char* name;
       int stage, pre;
@@ -227,10 +228,10 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
                           {"x + 16 KB pre-wait", 1, 4}, {"x + norm + codes + 16 KB pre-wait", 3, 4},
                           {"x + norm + codes + 8 KB pre-wait", 3, 2}};
     nlohmann::ordered_json hj = nlohmann::ordered_json::array();
-    std::printf("hand-over probe (212 dependent launches x 264 blocks, us per launch, PDL / no PDL):\n");
+    std::printf("hand-over probe (%d dependent launches x 264 blocks, us per launch, PDL / no PDL):\n", launches);
     for (const Rung& r : rungs) {
-      const double a = b->handover_probe_us(212, 264, r.stage, r.pre, true);
-      const double c = b->handover_probe_us(212, 264, r.stage, r.pre, false);
+      const double a = b->handover_probe_us(launches, 264, r.stage, r.pre, true);
+      const double c = b->handover_probe_us(launches, 264, r.stage, r.pre, false);
       std::printf("  %-36s %6.2f %6.2f\n", r.name, a, c);
       hj.push_back({{"rung", r.name}, {"us_pdl", a}, {"us_no_pdl", c}});
     }

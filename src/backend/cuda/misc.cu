@@ -118,7 +118,7 @@ __global__ void empty_kernel(int* sink) {
 
 // The hand-over probe (launch_handover_probe): one dependent launch of a
 // chain, built up from the empty kernel one ingredient of a matvec's setup
-// at a time (HandoverProbe). Each block reads all of x (2048 floats, 8 per
+// at a time (the stages in kernels.h). Each block reads all of x (2048 floats, 8 per
 // thread) after the wait, as every matvec block does, and writes 8 of the
 // next launch's inputs, so each launch depends on the previous one through
 // the L2.
