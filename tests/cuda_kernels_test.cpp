@@ -1146,6 +1146,71 @@ TEST(CudaHandoverProbe, EachRungMatchesTheHostTwin) {
   EXPECT_THROW(cuda::launch_handover_probe(nullptr, nullptr, nullptr, 4, 0, blocks, nullptr, false), Error);
 }
 
+// The resident probe (lily bench --handover): every mode (trigger, copies
+// before / after / without the wait, bulk copy sizes) and block shape
+// against its host twin on random weights, rows per block that are not a
+// multiple of the warps (31, 93), x of mixed signs and magnitudes: the
+// RMSNorm, the 8-bit codes per 32-input chunk, the nibble layout (byte j of
+// piece p: input 32p + j low, 32p + 16 + j high) and the per-row scale.
+TEST(CudaResidentProbe, RowsMatchTheHostTwin) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(43);
+  const int N = 2048;
+  auto x0 = random_vec(N, rng);
+  for (int i = 0; i < N; i += 97) x0[i] *= 40.f;  // outliers set their chunks' scales
+  for (int xbits : {8, 16})
+  for (int rows : {31, 93}) {
+    const int blocks = (N + rows - 1) / rows + 1, stride = (rows + 3) & ~3;
+    std::vector<uint8_t> wh(size_t(blocks) * rows * 1024);
+    for (auto& b : wh) b = static_cast<uint8_t>(rng() & 0xff);
+    std::vector<float> rsh(size_t(blocks) * stride);
+    for (auto& v : rsh) v = 0.5f + float(rng() % 1000) / 1000.f;
+    auto w = to_device(wh);
+    auto rs = to_device(rsh);
+    // Host twin.
+    double ss = 0;
+    for (float v : x0) ss += double(v) * v;
+    const float scale = float(1.0 / std::sqrt(ss / N + 1e-6));
+    std::vector<int> c(N);
+    std::vector<float> cs(N / 32);
+    for (int k = 0; k < N / 32; ++k) {
+      float m = 0.f;
+      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x0[32 * k + i]));
+      const float kMax = xbits == 16 ? 32512.f : 127.f;
+      const float inv = m > 0.f ? kMax / m : 0.f;
+      for (int i = 0; i < 32; ++i) c[32 * k + i] = int(std::nearbyint(x0[32 * k + i] * inv));
+      cs[k] = m / kMax;
+    }
+    std::vector<double> want(N);
+    for (int o = 0; o < N; ++o) {
+      const uint8_t* row = wh.data() + size_t(o) * 1024;
+      double v = 0;
+      for (int p = 0; p < 64; ++p) {
+        long d = 0;
+        for (int j = 0; j < 16; ++j)
+          d += long(row[16 * p + j] & 15) * c[32 * p + j] + long(row[16 * p + j] >> 4) * c[32 * p + 16 + j];
+        v += double(d) * cs[p];
+      }
+      want[o] = 0.5 * x0[o] + 1e-3 * v * scale * rsh[size_t(o / rows) * stride + o % rows];
+    }
+    for (int threads : {256, 512, -256})
+      for (int mode : {0, 1, 2, 3, 5, 9, 17, 25, 33, 35, 65, 69, 97}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " threads " + std::to_string(threads) + " mode " +
+                     std::to_string(mode) + " xbits " + std::to_string(xbits));
+        auto a = to_device(x0), b = poisoned(N);
+        cuda::launch_resident_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), rs.as<float>(), rows, blocks,
+                                    threads, xbits, mode, nullptr, nullptr, true);
+        const auto y = to_host<float>(b, N);
+        double worst = 0;
+        for (int o = 0; o < N; ++o) worst = std::max(worst, std::fabs(y[o] - want[o]) / (1.0 + std::fabs(want[o])));
+        EXPECT_LT(worst, 1e-5);
+      }
+  }
+  EXPECT_THROW(cuda::launch_resident_probe(nullptr, nullptr, nullptr, nullptr, 200, 132, 256, 16, 0, nullptr, nullptr,
+                                           false),
+               Error);  // 200 KB of shared memory
+}
+
 TEST(CudaEmbed, LookupMatchesCpuDequantization) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(21);

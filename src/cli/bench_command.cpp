@@ -236,6 +236,45 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       hj.push_back({{"rung", r.name}, {"us_pdl", a}, {"us_no_pdl", c}});
     }
     j["handover_probe"] = hj;
+    // The resident probe: each launch's whole weight slice copied into
+    // shared memory (one block per SM, two launches side by side), at the
+    // byte sizes of the out_proj (4.2 MB) and the in_proj (12.6 MB).
+    nlohmann::ordered_json rj = nlohmann::ordered_json::array();
+    std::printf("resident probe (%d dependent q4 matvecs of 2048 inputs, weights copied into shared memory; us per "
+                "launch, TB/s, and per block (medians): resident before the wait, staging, wait for the weights, compute):\n",
+                launches);
+    std::printf("  %-6s %-7s %-5s %-48s %7s %6s %7s %7s %7s %7s\n", "MB", "threads", "codes", "mode", "us", "TB/s",
+                "before", "staging", "weights", "compute");
+    auto mode_name = [](int mode) {
+      std::string n = (mode & 4) ? "no wait" : (mode & 2) ? "copies after wait" : "copies before wait";
+      n += (mode & 1) ? ", trigger first" : ", trigger after";
+      const int pc = (mode >> 3) & 3;
+      if (pc) n += pc == 1 ? ", 1 KB copies" : pc == 2 ? ", 4 KB copies" : ", 64 KB copies";
+      if (mode & 32) n += ", cp.async";
+      if (mode & 64) n += ", 4 rows";
+      return n;
+    };
+    struct RRung {
+      int rows, threads, xbits, mode, per_sm;
+    };
+    // threads -256: 256 threads at most 64 registers (four blocks resident
+    // per SM); per_sm: blocks of one launch per SM.
+    const RRung rr[] = {{93, 512, 16, 1, 1},      {93, 512, 16, 5, 1},      {47, -256, 16, 1, 1},
+                        {47, -256, 16, 5, 1},     {47, -256, 16, 1 | 64, 1}, {31, -256, 16, 1, 1},
+                        {31, 512, 16, 1, 1},      {16, -256, 16, 1, 1},     {16, -256, 16, 5, 1},
+                        {47, -256, 8, 1, 1},      {47, -256, 16, 1, 2},     {8, -256, 16, 1, 2},
+                        {16, -256, 16, 0, 1},     {16, -256, 16, 2, 1}};
+    for (const RRung& q : rr) {
+      const auto r = b->resident_probe(launches, q.rows, q.threads, q.xbits, q.mode, true, q.per_sm);
+      const std::string mn = mode_name(q.mode);
+      std::printf("  %-6.1f %-4d x%d  %-5d %-48s %7.2f %6.2f %7.2f %7.2f %7.2f %7.2f\n", r.mb, q.threads, q.per_sm,
+                  q.xbits, mn.c_str(), r.us, r.mb / r.us, r.before_wait_us, r.staging_us, r.weights_wait_us,
+                  r.compute_us);
+      rj.push_back({{"mb", r.mb}, {"threads", q.threads}, {"blocks_per_sm", q.per_sm}, {"xbits", q.xbits}, {"mode", mn},
+                    {"us", r.us}, {"before_wait_us", r.before_wait_us}, {"staging_us", r.staging_us}, {"weights_wait_us", r.weights_wait_us},
+                    {"compute_us", r.compute_us}});
+    }
+    j["resident_probe"] = rj;
   }
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,

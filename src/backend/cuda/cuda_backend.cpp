@@ -1583,6 +1583,62 @@ double CudaBackend::handover_probe_us(int launches, int blocks, int stage, int p
   return ms * 1e3 / launches;
 }
 
+CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, int threads, int xbits, int mode,
+                                                      bool pdl, int per_sm) {
+  Impl& m = *impl_;
+  int dev = 0, blocks = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev));
+  blocks *= per_sm;
+  ResidentProbe r;
+  r.mb = double(blocks) * rows * 1024 / 1e6;
+  DeviceBuffer x(2048 * 4), y(2048 * 4);
+  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
+  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
+  // A distinct weight slice per launch (none in the L2 from an earlier one).
+  const size_t per_launch = size_t(blocks) * rows * 64;  // uint4 pieces
+  const size_t rs_launch = size_t(blocks) * ((rows + 3) & ~3);
+  DeviceBuffer w(per_launch * launches * 16), rs(rs_launch * launches * 4);
+  DeviceBuffer marks(size_t(launches) * blocks * 5 * 8);
+  LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
+  cuda::fill_random_f32(rs.as<float>(), rs_launch * launches, 0.5f, 1.5f, 7, m.stream);
+  auto run = [&](bool traced) {
+    cudaGraphExec_t exec = capture(m.stream, [&] {
+      for (int i = 0; i < launches; ++i) {
+        const bool dep = !(mode & 4);  // without the wait x stays constant
+        const float* in = (dep && (i & 1)) ? y.as<float>() : x.as<float>();
+        float* out = (dep && (i & 1)) ? x.as<float>() : y.as<float>();
+        auto* mk = traced ? marks.as<unsigned long long>() + size_t(i) * blocks * 5 : nullptr;
+        cuda::launch_resident_probe(in, out, w.as<uint4>() + per_launch * i, rs.as<float>() + rs_launch * i, rows,
+                                    blocks, threads, xbits, mode, mk, m.stream, pdl);
+      }
+    });
+    const double ms = time_graph_ms(m.stream, exec, traced ? 1 : 20);
+    cudaGraphExecDestroy(exec);
+    return ms;
+  };
+  r.us = run(false) * 1e3 / launches;
+  run(true);
+  std::vector<unsigned long long> h(size_t(launches) * blocks * 5);
+  LILY_CUDA(cudaMemcpy(h.data(), marks.get(), h.size() * 8, cudaMemcpyDeviceToHost));
+  const double mhz = cuda::measure_sm_clock_mhz(m.stream);
+  std::vector<double> d[4];
+  for (int i = launches / 4; i < launches; ++i)
+    for (int k = 0; k < blocks; ++k) {
+      const unsigned long long* t = h.data() + (size_t(i) * blocks + k) * 5;
+      for (int q = 0; q < 4; ++q) d[q].push_back(double(t[q + 1] - t[q]) / mhz);
+    }
+  auto med = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  r.before_wait_us = med(d[0]);
+  r.staging_us = med(d[1]);
+  r.weights_wait_us = med(d[2]);
+  r.compute_us = med(d[3]);
+  return r;
+}
+
 bool CudaBackend::graph_uses_pdl(SequenceCache& base) {
   auto& cache = dynamic_cast<CudaCache&>(base);
   impl_->ensure_graph(cache);

@@ -109,6 +109,16 @@ class CudaBackend : public Backend {
   // (launch_handover_probe: the ingredients of a matvec's setup added one at
   // a time, each launch reading the previous one's output; PDL as given).
   double handover_probe_us(int launches, int blocks, int stage, int pre, bool pdl);
+  // The resident probe (launch_resident_probe): a chain of q4 matvecs whose
+  // blocks, one per SM, copy their whole weight slice (rows x 1 KB) into
+  // shared memory. us per launch, and from one more traced replay the
+  // medians over blocks of the time a block spent resident before its wait,
+  // its staging after the wait, its wait for the weights after that, and
+  // its compute.
+  struct ResidentProbe {
+    double mb = 0, us = 0, before_wait_us = 0, staging_us = 0, weights_wait_us = 0, compute_us = 0;
+  };
+  ResidentProbe resident_probe(int launches, int rows, int threads, int xbits, int mode, bool pdl, int per_sm = 1);
   // The whole decode step captured once with per-block timeline records
   // (TraceSpec) and replayed; returns the last replay's launches in step
   // order. sm_mhz converts the SM-clock intervals. The cache's position is

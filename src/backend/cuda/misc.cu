@@ -186,6 +186,210 @@ __global__ void __launch_bounds__(kProbeThreads) handover_probe_kernel(const flo
   if (lane == 0 && o < kProbeCols) y[o] = 0.5f * x[o] + 1e-3f * v;
 }
 
+// The resident probe (launch_resident_probe): one launch of a chain of
+// dependent q4 matvecs (2048 inputs, `rows` rows of 1024 bytes per block,
+// one block per SM) whose blocks copy their whole weight slice into shared
+// memory with bulk copies, so that two launches sit side by side on an SM:
+// with an early trigger, launch N + 1's blocks become resident while launch
+// N runs and their weights stream in behind it. After the wait a block
+// reads x, takes its RMSNorm and integer codes per 32-input chunk (XB 8:
+// rn(x 127 / m); 16: rn(x 32512 / m) as two int8 parts, as the decode
+// matvecs), waits for its weights and computes its rows from shared memory,
+// a warp per row, two rows at a time. Row r of block b is output row
+// b * rows + r; rows below 2048 are the next launch's input:
+// y[o] = x[o] / 2 + 1e-3 dot(o) scale rs(o). Piece p (16 bytes) of a row
+// holds input 32p + j in byte j's low nibble and 32p + 16 + j in its high
+// one. marks (optional): per block the SM clock at entry, past the wait,
+// with the input staged, once the weights are in, and at the end.
+constexpr int kResRowBytes = 1024;
+__device__ __forceinline__ int res_dot(const uint4& p, const uint4& lo_c, const uint4& hi_c) {
+  int d = 0;
+  d = __dp4a(static_cast<int>(p.x & 0x0f0f0f0fu), static_cast<int>(lo_c.x), d);
+  d = __dp4a(static_cast<int>(p.y & 0x0f0f0f0fu), static_cast<int>(lo_c.y), d);
+  d = __dp4a(static_cast<int>(p.z & 0x0f0f0f0fu), static_cast<int>(lo_c.z), d);
+  d = __dp4a(static_cast<int>(p.w & 0x0f0f0f0fu), static_cast<int>(lo_c.w), d);
+  d = __dp4a(static_cast<int>((p.x >> 4) & 0x0f0f0f0fu), static_cast<int>(hi_c.x), d);
+  d = __dp4a(static_cast<int>((p.y >> 4) & 0x0f0f0f0fu), static_cast<int>(hi_c.y), d);
+  d = __dp4a(static_cast<int>((p.z >> 4) & 0x0f0f0f0fu), static_cast<int>(hi_c.z), d);
+  d = __dp4a(static_cast<int>((p.w >> 4) & 0x0f0f0f0fu), static_cast<int>(hi_c.w), d);
+  return d;
+}
+template <int NT, int XB, int MINB>
+__global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x, float* y, const uint4* w,
+                                                               const float* rs, int rows, int mode,
+                                                               unsigned long long* marks) {
+  extern __shared__ __align__(128) unsigned char res_smem[];
+  __shared__ __align__(8) uint64_t bar;
+  __shared__ float red[8];
+  __shared__ float cscale[kProbeCols / 32];
+  __shared__ float xo[112];  // x at the block's output rows (the residual), from the staging
+  constexpr int kParts = XB == 16 ? 2 : 1;
+  __shared__ __align__(16) uint32_t codes[kParts][kProbeCols / 4];  // [0]: the high (or only) int8 part
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (marks && tid == 0) marks[5 * blockIdx.x] = clock64();
+  const uint32_t wbytes = uint32_t(rows) * kResRowBytes, sbytes = (uint32_t(rows) * 4 + 15) & ~15u;
+  const int rs_stride = (rows + 3) & ~3;  // 16-byte aligned scale slices
+  const float* ssm = reinterpret_cast<const float*>(res_smem + wbytes);
+  const uint32_t bar_a = static_cast<uint32_t>(__cvta_generic_to_shared(&bar));
+  auto issue = [&] {
+    if (mode & 32) {
+      // Every thread's share as 16-byte cp.async (the load-store path).
+      const uint4* src = w + size_t(blockIdx.x) * (wbytes / 16);
+      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
+      for (uint32_t i = tid; i < (wbytes + sbytes) / 16; i += NT) {
+        const void* g = i < wbytes / 16 ? static_cast<const void*>(src + i)
+                                        : static_cast<const void*>(rs + size_t(blockIdx.x) * rs_stride + 4 * (i - wbytes / 16));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i), "l"(g) : "memory");
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      return;
+    }
+    if (tid != 0) return;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_a), "r"(wbytes + sbytes)
+                 : "memory");
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(w) + size_t(blockIdx.x) * wbytes;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
+    const int pc = (mode >> 3) & 3;  // 16 (0), 1, 4 or 64 KB per bulk copy
+    const uint32_t piece = pc == 0 ? 16384u : pc == 1 ? 1024u : pc == 2 ? 4096u : 65536u;
+    for (uint32_t off = 0; off < wbytes; off += piece) {
+      const uint32_t n = min(piece, wbytes - off);
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                       dst + off),
+                   "l"(src + off), "r"(n), "r"(bar_a)
+                   : "memory");
+    }
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     dst + wbytes),
+                 "l"(rs + size_t(blockIdx.x) * rs_stride), "r"(sbytes), "r"(bar_a)
+                 : "memory");
+  };
+  if (tid == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_a) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (!(mode & 2)) issue();
+  if (mode & 1) pdl_launch_dependents();
+  if (!(mode & 4)) pdl_wait();
+  if (!(mode & 1)) pdl_launch_dependents();
+  if (marks && tid == 0) marks[5 * blockIdx.x + 1] = clock64();
+  if (mode & 2) issue();
+  // x, its RMSNorm and the codes (staging threads 0-255, 8 inputs each; a
+  // 32-input chunk is 4 adjacent lanes).
+  if (tid < 256) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4 a = x4[2 * tid], b = x4[2 * tid + 1];
+    float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    constexpr float kMax = XB == 16 ? 32512.f : 127.f;
+    const float inv = m > 0.f ? kMax / m : 0.f;
+    const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t hi[8], lo[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = __float2int_rn(e[i] * inv);
+      const int h = XB == 16 ? (c + 128) >> 8 : c;
+      hi[i] = static_cast<uint32_t>(h) & 0xffu;
+      lo[i] = static_cast<uint32_t>(c - 256 * h) & 0xffu;
+    }
+    codes[0][2 * tid] = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
+    codes[0][2 * tid + 1] = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24;
+    if constexpr (XB == 16) {
+      codes[kParts - 1][2 * tid] = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
+      codes[kParts - 1][2 * tid + 1] = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24;
+    }
+    if ((tid & 3) == 0) cscale[tid >> 2] = m / kMax;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = 8 * tid + i - int(blockIdx.x) * rows;
+      if (r >= 0 && r < rows) xo[r] = e[i];
+    }
+  }
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) tot += red[i];
+  const float scale = 1.f / sqrtf(tot / kProbeCols + 1e-6f);
+  if (marks && tid == 0) marks[5 * blockIdx.x + 2] = clock64();
+  // Lane l's pieces are l and l + 32: its code words and 2 chunk scales
+  // serve every row.
+  uint4 cq[kParts][4];
+#pragma unroll
+  for (int h = 0; h < kParts; ++h) {
+    const uint4* c4 = reinterpret_cast<const uint4*>(codes[h]);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      cq[h][2 * k] = c4[2 * (lane + 32 * k)];
+      cq[h][2 * k + 1] = c4[2 * (lane + 32 * k) + 1];
+    }
+  }
+  const float cs0 = cscale[lane], cs1 = cscale[lane + 32];
+  if (mode & 32) {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+  } else {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "RES_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
+        "@!done bra RES_WAIT;\n}\n" ::"r"(bar_a)
+        : "memory");
+  }
+  if (marks && tid == 0) marks[5 * blockIdx.x + 3] = clock64();
+  const uint4* wr = reinterpret_cast<const uint4*>(res_smem);
+  auto row_dot = [&](int r) {
+    const uint4 p0 = wr[r * 64 + lane], p1 = wr[r * 64 + 32 + lane];
+    int d0 = res_dot(p0, cq[0][0], cq[0][1]), d1 = res_dot(p1, cq[0][2], cq[0][3]);
+    if constexpr (XB == 16) {
+      d0 = d0 * 256 + res_dot(p0, cq[1][0], cq[1][1]);
+      d1 = d1 * 256 + res_dot(p1, cq[1][2], cq[1][3]);
+    }
+    return static_cast<float>(d0) * cs0 + static_cast<float>(d1) * cs1;
+  };
+  if (mode & 64) {
+    // Four rows per warp at a time, reduced together: after the xor-16 and
+    // xor-8 steps (each lane keeping half of what it holds) lane l holds a
+    // partial of row 2 (l >> 4 & 1) + (l >> 3 & 1); six shuffles for four rows.
+    const bool b4 = lane & 16, b3 = lane & 8;
+    for (int r = 4 * warp; r < rows; r += 4 * (NT / 32)) {
+      float a[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = r + i < rows ? row_dot(r + i) : 0.f;
+      float k0 = b4 ? a[2] : a[0], k1 = b4 ? a[3] : a[1];
+      k0 += __shfl_xor_sync(0xffffffffu, b4 ? a[0] : a[2], 16);
+      k1 += __shfl_xor_sync(0xffffffffu, b4 ? a[1] : a[3], 16);
+      float v = b3 ? k1 : k0;
+      v += __shfl_xor_sync(0xffffffffu, b3 ? k0 : k1, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      const int ri = r + (b4 ? 2 : 0) + (b3 ? 1 : 0), o = blockIdx.x * rows + ri;
+      if ((lane & 7) == 0 && ri < rows && o < kProbeCols) y[o] = 0.5f * xo[ri] + 1e-3f * v * scale * ssm[ri];
+    }
+  } else
+  for (int r = warp; r < rows; r += 2 * (NT / 32)) {
+    const int r2 = r + NT / 32;
+    float v0 = row_dot(r), v1 = r2 < rows ? row_dot(r2) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+      v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+    }
+    const int o0 = blockIdx.x * rows + r, o1 = blockIdx.x * rows + r2;
+    if (lane == 0 && o0 < kProbeCols) y[o0] = 0.5f * xo[r] + 1e-3f * v0 * scale * ssm[r];
+    if (lane == 0 && r2 < rows && o1 < kProbeCols) y[o1] = 0.5f * xo[r2] + 1e-3f * v1 * scale * ssm[r2];
+  }
+  if (marks) {
+    __syncthreads();
+    if (tid == 0) marks[5 * blockIdx.x + 4] = clock64();
+  }
+}
+
 __global__ void clock_probe_kernel(unsigned long long* out, long long cycles) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -255,6 +459,36 @@ void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, 
     fail("handover probe: stage ", stage, ", ", pre, " pieces, ", blocks, " blocks");
   launch_kernel("handover_probe", handover_probe_kernel, dim3(blocks), dim3(kProbeThreads), 0, s, pdl, x, y, w,
                 stage, pre);
+}
+
+template <int NT, int XB, int MINB>
+void launch_resident_probe_t(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
+                             int mode, unsigned long long* marks, size_t smem, cudaStream_t s, bool pdl) {
+  static const bool once = [] {
+    LILY_CUDA(cudaFuncSetAttribute(resident_probe_kernel<NT, XB, MINB>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, 110 * 1024));
+    LILY_CUDA(cudaFuncSetAttribute(resident_probe_kernel<NT, XB, MINB>,
+                                   cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    return true;
+  }();
+  (void)once;
+  launch_kernel("resident_probe", resident_probe_kernel<NT, XB, MINB>, dim3(blocks), dim3(NT), smem, s, pdl, x, y, w,
+                rs, rows, mode, marks);
+}
+
+void launch_resident_probe(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
+                           int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl) {
+  const size_t smem = size_t(rows) * kResRowBytes + ((size_t(rows) * 4 + 15) & ~size_t(15));
+  if (rows < 1 || blocks * rows < kProbeCols || (threads != 256 && threads != 512 && threads != -256) ||
+      (xbits != 8 && xbits != 16) || mode < 0 || mode > 127 || ((mode & 4) && (mode & 2)) || smem > 110 * 1024 || rows > 112)
+    fail("resident probe: ", rows, " rows, ", blocks, " blocks, ", threads, " threads, ", xbits, "-bit codes, mode ",
+         mode);
+  if (threads == -256 && xbits == 8) return launch_resident_probe_t<256, 8, 4>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  if (threads == -256) return launch_resident_probe_t<256, 16, 4>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  if (threads == 256 && xbits == 8) return launch_resident_probe_t<256, 8, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  if (threads == 256) return launch_resident_probe_t<256, 16, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  if (xbits == 8) return launch_resident_probe_t<512, 8, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  launch_resident_probe_t<512, 16, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
 }
 
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl) {
