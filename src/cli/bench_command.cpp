@@ -275,6 +275,45 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
                     {"compute_us", r.compute_us}});
     }
     j["resident_probe"] = rj;
+    // The resident chain: a model step's sizes as resident-probe launches
+    // (Qwen3.6-35B-A3B at 4K: per DeltaNet layer in_proj 12.6 MB, the step's
+    // state 2 MB, out_proj 4.2, gate_up 10.6 with its copies after the wait
+    // (routed), down 4.7; per attention layer qkv 10.6, the KV 8.4, a
+    // combine, o_proj 4.7, gate_up, down; 30 + 10 layers, no lm_head).
+    {
+      using RL = cuda::CudaBackend::ResidentLaunch;
+      const std::vector<RL> dn2 = {{93, 1, 1}, {16, 1, 1}, {31, 1, 1}, {80, 1, 3}, {35, 1, 1}};
+      const std::vector<RL> at2 = {{78, 1, 1}, {62, 1, 1}, {16, 1, 1}, {35, 1, 1}, {80, 1, 3}, {35, 1, 1}};
+      const std::vector<RL> dn4 = {{47, 2, 1}, {16, 1, 1}, {31, 1, 1}, {40, 2, 3}, {35, 1, 1}};
+      const std::vector<RL> at4 = {{39, 2, 1}, {31, 2, 1}, {16, 1, 1}, {35, 1, 1}, {40, 2, 3}, {35, 1, 1}};
+      auto step = [](const std::vector<RL>& dn, const std::vector<RL>& at, bool routed_early) {
+        std::vector<RL> s;
+        for (int l = 0; l < 40; ++l)
+          for (RL r : (l % 4 == 3 ? at : dn)) {
+            if (routed_early) r.mode &= ~2;
+            s.push_back(r);
+          }
+        return s;
+      };
+      nlohmann::ordered_json cj = nlohmann::ordered_json::array();
+      std::printf("resident chain (a 4K step's 210 launches as resident-probe launches, no lm_head; us per step):\n");
+      struct CRung {
+        const char* name;
+        int threads;
+        bool four, early;
+      };
+      const CRung cr[] = {{"2 resident / SM, routed copies after the wait", 512, false, false},
+                          {"2 resident / SM, every copy before the wait", 512, false, true},
+                          {"4 resident / SM, routed copies after the wait", -256, true, false},
+                          {"4 resident / SM, every copy before the wait", -256, true, true}};
+      for (const CRung& c : cr) {
+        const auto pat = c.four ? step(dn4, at4, c.early) : step(dn2, at2, c.early);
+        const double us = b->resident_chain_us(pat, 1, c.threads);
+        std::printf("  %-48s %8.1f\n", c.name, us);
+        cj.push_back({{"chain", c.name}, {"us_per_step", us}});
+      }
+      j["resident_chain"] = cj;
+    }
   }
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,

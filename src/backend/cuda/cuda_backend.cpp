@@ -1639,6 +1639,44 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
   return r;
 }
 
+double CudaBackend::resident_chain_us(const std::vector<ResidentLaunch>& pattern, int repeat, int threads) {
+  Impl& m = *impl_;
+  int dev = 0, sms = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DeviceBuffer x(2048 * 4), y(2048 * 4);
+  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
+  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
+  // Every launch its own weights (uint4 pieces) and row scales.
+  size_t wtot = 0, stot = 0;
+  for (const ResidentLaunch& l : pattern) {
+    wtot += size_t(sms) * l.per_sm * l.rows * 64;
+    stot += size_t(sms) * l.per_sm * ((l.rows + 3) & ~3);
+  }
+  DeviceBuffer w(wtot * repeat * 16), rs(stot * repeat * 4);
+  LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
+  cuda::fill_random_f32(rs.as<float>(), stot * repeat, 0.5f, 1.5f, 9, m.stream);
+  cudaGraphExec_t exec = capture(m.stream, [&] {
+    size_t wo = 0, so = 0;
+    int i = 0;
+    for (int r = 0; r < repeat; ++r)
+      for (const ResidentLaunch& l : pattern) {
+        const int blocks = sms * l.per_sm;
+        const bool dep = !(l.mode & 4);
+        const float* in = (dep && (i & 1)) ? y.as<float>() : x.as<float>();
+        float* out = (dep && (i & 1)) ? x.as<float>() : y.as<float>();
+        cuda::launch_resident_probe(in, out, w.as<uint4>() + wo, rs.as<float>() + so, l.rows, blocks, threads, 16,
+                                    l.mode, nullptr, m.stream, true);
+        wo += size_t(blocks) * l.rows * 64;
+        so += size_t(blocks) * ((l.rows + 3) & ~3);
+        ++i;
+      }
+  });
+  const double ms = time_graph_ms(m.stream, exec, 10);
+  cudaGraphExecDestroy(exec);
+  return ms * 1e3 / repeat;
+}
+
 bool CudaBackend::graph_uses_pdl(SequenceCache& base) {
   auto& cache = dynamic_cast<CudaCache&>(base);
   impl_->ensure_graph(cache);
