@@ -1194,7 +1194,7 @@ TEST(CudaResidentProbe, RowsMatchTheHostTwin) {
       want[o] = 0.5 * x0[o] + 1e-3 * v * scale * rsh[size_t(o / rows) * stride + o % rows];
     }
     for (int threads : {256, 512, -256})
-      for (int mode : {0, 1, 2, 3, 5, 9, 17, 25, 33, 35, 65, 69, 97}) {
+      for (int mode : {0, 1, 2, 3, 5, 9, 17, 25, 33, 35, 65, 69, 97, 131}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " threads " + std::to_string(threads) + " mode " +
                      std::to_string(mode) + " xbits " + std::to_string(xbits));
         auto a = to_device(x0), b = poisoned(N);

@@ -284,13 +284,16 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       using RL = cuda::CudaBackend::ResidentLaunch;
       const std::vector<RL> dn2 = {{93, 1, 1}, {16, 1, 1}, {31, 1, 1}, {80, 1, 3}, {35, 1, 1}};
       const std::vector<RL> at2 = {{78, 1, 1}, {62, 1, 1}, {16, 1, 1}, {35, 1, 1}, {80, 1, 3}, {35, 1, 1}};
+      // The same with gate_up's selection (1.5 us of one warp after the wait).
+      const std::vector<RL> dn2r = {{93, 1, 1}, {16, 1, 1}, {31, 1, 1}, {80, 1, 3 | 128}, {35, 1, 1}};
+      const std::vector<RL> at2r = {{78, 1, 1}, {62, 1, 1}, {16, 1, 1}, {35, 1, 1}, {80, 1, 3 | 128}, {35, 1, 1}};
       const std::vector<RL> dn4 = {{47, 2, 1}, {16, 1, 1}, {31, 1, 1}, {40, 2, 3}, {35, 1, 1}};
       const std::vector<RL> at4 = {{39, 2, 1}, {31, 2, 1}, {16, 1, 1}, {35, 1, 1}, {40, 2, 3}, {35, 1, 1}};
       auto step = [](const std::vector<RL>& dn, const std::vector<RL>& at, bool routed_early) {
         std::vector<RL> s;
         for (int l = 0; l < 40; ++l)
           for (RL r : (l % 4 == 3 ? at : dn)) {
-            if (routed_early) r.mode &= ~2;
+            if (routed_early) r.mode &= ~(2 | 128);
             s.push_back(r);
           }
         return s;
@@ -300,14 +303,18 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       struct CRung {
         const char* name;
         int threads;
-        bool four, early;
+        int shape;  // 0: 2 per SM, 1: 4 per SM, 2: 2 per SM with the selection
+        bool early;
       };
-      const CRung cr[] = {{"2 resident / SM, routed copies after the wait", 512, false, false},
-                          {"2 resident / SM, every copy before the wait", 512, false, true},
-                          {"4 resident / SM, routed copies after the wait", -256, true, false},
-                          {"4 resident / SM, every copy before the wait", -256, true, true}};
+      const CRung cr[] = {{"2 resident / SM, routed copies after the wait", 512, 0, false},
+                          {"2 resident / SM, every copy before the wait", 512, 0, true},
+                          {"2 resident / SM, routed after a 1.5 us selection", 512, 2, false},
+                          {"2 resident / SM, 256 threads, selection", 256, 2, false},
+                          {"4 resident / SM, routed copies after the wait", -256, 1, false},
+                          {"4 resident / SM, every copy before the wait", -256, 1, true}};
       for (const CRung& c : cr) {
-        const auto pat = c.four ? step(dn4, at4, c.early) : step(dn2, at2, c.early);
+        const auto pat = c.shape == 1 ? step(dn4, at4, c.early) : c.shape == 2 ? step(dn2r, at2r, c.early)
+                                                                                : step(dn2, at2, c.early);
         const double us = b->resident_chain_us(pat, 1, c.threads);
         std::printf("  %-48s %8.1f\n", c.name, us);
         cj.push_back({{"chain", c.name}, {"us_per_step", us}});

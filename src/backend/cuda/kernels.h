@@ -329,7 +329,8 @@ void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, 
 // wait at all (x must then be constant; timing the copies alone); bits 3-4:
 // bulk copies of 16 (0), 1, 4 or 64 KB; bit 5: 16-byte cp.async by every
 // thread instead of bulk copies; bit 6: four rows per warp at a time with
-// their reductions batched. y[o] for the rows o < 2048: x[o] / 2 + 1e-3
+// their reductions batched; bit 7: 3,000 SM clocks of one warp's work after
+// the wait before anything else (a routed launch's selection). y[o] for the rows o < 2048: x[o] / 2 + 1e-3
 // dot(o) (misc.cu has the layout). marks (optional, 5 per block): the SM
 // clock at entry, past the wait, input staged, weights in, end.
 void launch_resident_probe(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
