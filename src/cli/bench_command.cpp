@@ -237,11 +237,13 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     }
     j["handover_probe"] = hj;
     // The resident probe: each launch's whole weight slice copied into
-    // shared memory (one block per SM, two launches side by side), at the
-    // byte sizes of the out_proj (4.2 MB) and the in_proj (12.6 MB).
+    // shared memory before the wait (one or two blocks per SM, two or four
+    // launches side by side), 2.2-12.6 MB per launch (docs/cuda-decode.md,
+    // "v20").
     nlohmann::ordered_json rj = nlohmann::ordered_json::array();
     std::printf("resident probe (%d dependent q4 matvecs of 2048 inputs, weights copied into shared memory; us per "
-                "launch, TB/s, and per block (medians): resident before the wait, staging, wait for the weights, compute):\n",
+                "launch, TB/s, and per block (medians): resident before the wait, staging, wait for the weights, "
+                "compute):\n",
                 launches);
     std::printf("  %-6s %-7s %-5s %-48s %7s %6s %7s %7s %7s %7s\n", "MB", "threads", "codes", "mode", "us", "TB/s",
                 "before", "staging", "weights", "compute");
@@ -271,8 +273,8 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
                   q.xbits, mn.c_str(), r.us, r.mb / r.us, r.before_wait_us, r.staging_us, r.weights_wait_us,
                   r.compute_us);
       rj.push_back({{"mb", r.mb}, {"threads", q.threads}, {"blocks_per_sm", q.per_sm}, {"xbits", q.xbits}, {"mode", mn},
-                    {"us", r.us}, {"before_wait_us", r.before_wait_us}, {"staging_us", r.staging_us}, {"weights_wait_us", r.weights_wait_us},
-                    {"compute_us", r.compute_us}});
+                    {"us", r.us}, {"before_wait_us", r.before_wait_us}, {"staging_us", r.staging_us},
+                    {"weights_wait_us", r.weights_wait_us}, {"compute_us", r.compute_us}});
     }
     j["resident_probe"] = rj;
     // The resident chain: a model step's sizes as resident-probe launches
@@ -282,18 +284,19 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
     // combine, o_proj 4.7, gate_up, down; 30 + 10 layers, no lm_head).
     {
       using RL = cuda::CudaBackend::ResidentLaunch;
+      // The routed launch (gate_up) has its copies after the wait (mode 3).
       const std::vector<RL> dn2 = {{93, 1, 1}, {16, 1, 1}, {31, 1, 1}, {80, 1, 3}, {35, 1, 1}};
       const std::vector<RL> at2 = {{78, 1, 1}, {62, 1, 1}, {16, 1, 1}, {35, 1, 1}, {80, 1, 3}, {35, 1, 1}};
-      // The same with gate_up's selection (1.5 us of one warp after the wait).
-      const std::vector<RL> dn2r = {{93, 1, 1}, {16, 1, 1}, {31, 1, 1}, {80, 1, 3 | 128}, {35, 1, 1}};
-      const std::vector<RL> at2r = {{78, 1, 1}, {62, 1, 1}, {16, 1, 1}, {35, 1, 1}, {80, 1, 3 | 128}, {35, 1, 1}};
       const std::vector<RL> dn4 = {{47, 2, 1}, {16, 1, 1}, {31, 1, 1}, {40, 2, 3}, {35, 1, 1}};
       const std::vector<RL> at4 = {{39, 2, 1}, {31, 2, 1}, {16, 1, 1}, {35, 1, 1}, {40, 2, 3}, {35, 1, 1}};
-      auto step = [](const std::vector<RL>& dn, const std::vector<RL>& at, bool routed_early) {
+      // routed: 0, as in the patterns; 1, every copy before the wait; 2,
+      // 1.5 us of one warp's work (the selection) before the routed copies.
+      auto step = [](const std::vector<RL>& dn, const std::vector<RL>& at, int routed) {
         std::vector<RL> s;
         for (int l = 0; l < 40; ++l)
           for (RL r : (l % 4 == 3 ? at : dn)) {
-            if (routed_early) r.mode &= ~(2 | 128);
+            if ((r.mode & 2) && routed == 1) r.mode &= ~2;
+            if ((r.mode & 2) && routed == 2) r.mode |= 128;
             s.push_back(r);
           }
         return s;
@@ -302,19 +305,17 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       std::printf("resident chain (a 4K step's 210 launches as resident-probe launches, no lm_head; us per step):\n");
       struct CRung {
         const char* name;
-        int threads;
-        int shape;  // 0: 2 per SM, 1: 4 per SM, 2: 2 per SM with the selection
-        bool early;
+        int threads;  // 512 / 256: two launches per SM; -256: four
+        int routed;
       };
-      const CRung cr[] = {{"2 resident / SM, routed copies after the wait", 512, 0, false},
-                          {"2 resident / SM, every copy before the wait", 512, 0, true},
-                          {"2 resident / SM, routed after a 1.5 us selection", 512, 2, false},
-                          {"2 resident / SM, 256 threads, selection", 256, 2, false},
-                          {"4 resident / SM, routed copies after the wait", -256, 1, false},
-                          {"4 resident / SM, every copy before the wait", -256, 1, true}};
+      const CRung cr[] = {{"2 resident / SM, routed copies after the wait", 512, 0},
+                          {"2 resident / SM, every copy before the wait", 512, 1},
+                          {"2 resident / SM, routed after a 1.5 us selection", 512, 2},
+                          {"2 resident / SM, 256 threads, selection", 256, 2},
+                          {"4 resident / SM, routed copies after the wait", -256, 0},
+                          {"4 resident / SM, every copy before the wait", -256, 1}};
       for (const CRung& c : cr) {
-        const auto pat = c.shape == 1 ? step(dn4, at4, c.early) : c.shape == 2 ? step(dn2r, at2r, c.early)
-                                                                                : step(dn2, at2, c.early);
+        const auto pat = c.threads == -256 ? step(dn4, at4, c.routed) : step(dn2, at2, c.routed);
         const double us = b->resident_chain_us(pat, 1, c.threads);
         std::printf("  %-48s %8.1f\n", c.name, us);
         cj.push_back({{"chain", c.name}, {"us_per_step", us}});

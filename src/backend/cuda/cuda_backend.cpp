@@ -1583,6 +1583,52 @@ double CudaBackend::handover_probe_us(int launches, int blocks, int stage, int p
   return ms * 1e3 / launches;
 }
 
+namespace {
+
+// The resident probe's chain (launch_resident_probe): `pattern` repeated
+// `repeat` times, every launch with its own weights (none in the L2 from an
+// earlier one), captured in one graph; milliseconds per replay. marks: when
+// set, room for 5 per block of every launch in order.
+double resident_graph_ms(cudaStream_t stream, const std::vector<CudaBackend::ResidentLaunch>& pattern, int repeat,
+                         int threads, int xbits, bool pdl, unsigned long long* marks, int replays) {
+  int dev = 0, sms = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DeviceBuffer x(2048 * 4), y(2048 * 4);
+  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
+  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
+  size_t wtot = 0, stot = 0;  // uint4 pieces, row scales
+  for (const auto& l : pattern) {
+    wtot += size_t(sms) * l.per_sm * l.rows * 64;
+    stot += size_t(sms) * l.per_sm * ((l.rows + 3) & ~3);
+  }
+  DeviceBuffer w(wtot * repeat * 16), rs(stot * repeat * 4);
+  LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
+  cuda::fill_random_f32(rs.as<float>(), stot * repeat, 0.5f, 1.5f, 9, stream);
+  cudaGraphExec_t exec = capture(stream, [&] {
+    size_t wo = 0, so = 0, mo = 0;
+    int i = 0;
+    for (int r = 0; r < repeat; ++r)
+      for (const auto& l : pattern) {
+        const int blocks = sms * l.per_sm;
+        const bool dep = !(l.mode & 4);  // without the wait x stays constant
+        const float* in = (dep && (i & 1)) ? y.as<float>() : x.as<float>();
+        float* out = (dep && (i & 1)) ? x.as<float>() : y.as<float>();
+        cuda::launch_resident_probe(in, out, w.as<uint4>() + wo, rs.as<float>() + so, l.rows, blocks, threads, xbits,
+                                    l.mode, marks ? marks + mo : nullptr, stream, pdl);
+        wo += size_t(blocks) * l.rows * 64;
+        so += size_t(blocks) * ((l.rows + 3) & ~3);
+        mo += size_t(blocks) * 5;
+        ++i;
+      }
+  });
+  const double ms = time_graph_ms(stream, exec, replays);
+  cudaGraphExecDestroy(exec);
+  return ms;
+}
+
+}  // namespace
+
 CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, int threads, int xbits, int mode,
                                                       bool pdl, int per_sm) {
   Impl& m = *impl_;
@@ -1592,33 +1638,11 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
   blocks *= per_sm;
   ResidentProbe r;
   r.mb = double(blocks) * rows * 1024 / 1e6;
-  DeviceBuffer x(2048 * 4), y(2048 * 4);
-  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
-  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
-  // A distinct weight slice per launch (none in the L2 from an earlier one).
-  const size_t per_launch = size_t(blocks) * rows * 64;  // uint4 pieces
-  const size_t rs_launch = size_t(blocks) * ((rows + 3) & ~3);
-  DeviceBuffer w(per_launch * launches * 16), rs(rs_launch * launches * 4);
+  const std::vector<ResidentLaunch> one = {{rows, per_sm, mode}};
+  r.us = resident_graph_ms(m.stream, one, launches, threads, xbits, pdl, nullptr, 20) * 1e3 / launches;
+  // One more replay with the per-block marks.
   DeviceBuffer marks(size_t(launches) * blocks * 5 * 8);
-  LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
-  cuda::fill_random_f32(rs.as<float>(), rs_launch * launches, 0.5f, 1.5f, 7, m.stream);
-  auto run = [&](bool traced) {
-    cudaGraphExec_t exec = capture(m.stream, [&] {
-      for (int i = 0; i < launches; ++i) {
-        const bool dep = !(mode & 4);  // without the wait x stays constant
-        const float* in = (dep && (i & 1)) ? y.as<float>() : x.as<float>();
-        float* out = (dep && (i & 1)) ? x.as<float>() : y.as<float>();
-        auto* mk = traced ? marks.as<unsigned long long>() + size_t(i) * blocks * 5 : nullptr;
-        cuda::launch_resident_probe(in, out, w.as<uint4>() + per_launch * i, rs.as<float>() + rs_launch * i, rows,
-                                    blocks, threads, xbits, mode, mk, m.stream, pdl);
-      }
-    });
-    const double ms = time_graph_ms(m.stream, exec, traced ? 1 : 20);
-    cudaGraphExecDestroy(exec);
-    return ms;
-  };
-  r.us = run(false) * 1e3 / launches;
-  run(true);
+  resident_graph_ms(m.stream, one, launches, threads, xbits, pdl, marks.as<unsigned long long>(), 1);
   std::vector<unsigned long long> h(size_t(launches) * blocks * 5);
   LILY_CUDA(cudaMemcpy(h.data(), marks.get(), h.size() * 8, cudaMemcpyDeviceToHost));
   const double mhz = cuda::measure_sm_clock_mhz(m.stream);
@@ -1640,41 +1664,7 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
 }
 
 double CudaBackend::resident_chain_us(const std::vector<ResidentLaunch>& pattern, int repeat, int threads) {
-  Impl& m = *impl_;
-  int dev = 0, sms = 0;
-  LILY_CUDA(cudaGetDevice(&dev));
-  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  DeviceBuffer x(2048 * 4), y(2048 * 4);
-  LILY_CUDA(cudaMemset(x.get(), 0, x.bytes()));
-  LILY_CUDA(cudaMemset(y.get(), 0, y.bytes()));
-  // Every launch its own weights (uint4 pieces) and row scales.
-  size_t wtot = 0, stot = 0;
-  for (const ResidentLaunch& l : pattern) {
-    wtot += size_t(sms) * l.per_sm * l.rows * 64;
-    stot += size_t(sms) * l.per_sm * ((l.rows + 3) & ~3);
-  }
-  DeviceBuffer w(wtot * repeat * 16), rs(stot * repeat * 4);
-  LILY_CUDA(cudaMemset(w.get(), 0x11, w.bytes()));
-  cuda::fill_random_f32(rs.as<float>(), stot * repeat, 0.5f, 1.5f, 9, m.stream);
-  cudaGraphExec_t exec = capture(m.stream, [&] {
-    size_t wo = 0, so = 0;
-    int i = 0;
-    for (int r = 0; r < repeat; ++r)
-      for (const ResidentLaunch& l : pattern) {
-        const int blocks = sms * l.per_sm;
-        const bool dep = !(l.mode & 4);
-        const float* in = (dep && (i & 1)) ? y.as<float>() : x.as<float>();
-        float* out = (dep && (i & 1)) ? x.as<float>() : y.as<float>();
-        cuda::launch_resident_probe(in, out, w.as<uint4>() + wo, rs.as<float>() + so, l.rows, blocks, threads, 16,
-                                    l.mode, nullptr, m.stream, true);
-        wo += size_t(blocks) * l.rows * 64;
-        so += size_t(blocks) * ((l.rows + 3) & ~3);
-        ++i;
-      }
-  });
-  const double ms = time_graph_ms(m.stream, exec, 10);
-  cudaGraphExecDestroy(exec);
-  return ms * 1e3 / repeat;
+  return resident_graph_ms(impl_->stream, pattern, repeat, threads, 16, true, nullptr, 10) * 1e3 / repeat;
 }
 
 bool CudaBackend::graph_uses_pdl(SequenceCache& base) {

@@ -323,16 +323,18 @@ void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, 
 // rows of 1024 bytes per block (w: the grid's rows back to back; rs: one
 // float scale per row, each block's slice padded to 4), copied whole into
 // shared memory with bulk copies (at most 110 KB, so two launches fit on an
-// SM), inputs as xbits (8 or 16) integer codes per 32-input chunk; threads
-// 256 or 512 (two blocks per SM), -256 (256 threads, four blocks per SM). mode bit 0: trigger the next launch before the wait (else after
-// it); bit 1: issue the copies after the wait (else before it); bit 2: no
-// wait at all (x must then be constant; timing the copies alone); bits 3-4:
-// bulk copies of 16 (0), 1, 4 or 64 KB; bit 5: 16-byte cp.async by every
-// thread instead of bulk copies; bit 6: four rows per warp at a time with
-// their reductions batched; bit 7: 3,000 SM clocks of one warp's work after
-// the wait before anything else (a routed launch's selection). y[o] for the rows o < 2048: x[o] / 2 + 1e-3
-// dot(o) (misc.cu has the layout). marks (optional, 5 per block): the SM
-// clock at entry, past the wait, input staged, weights in, end.
+// SM), inputs as xbits (8 or 16) integer codes per 32-input chunk. threads:
+// 256 or 512 (two blocks per SM), -256 (256 threads, four blocks per SM).
+// mode bit 0: trigger the next launch before the wait (else after it); bit
+// 1: issue the copies after the wait (else before it); bit 2: no wait at
+// all (x must then be constant; timing the copies alone); bits 3-4: bulk
+// copies of 16 (0), 1, 4 or 64 KB; bit 5: 16-byte cp.async by every thread
+// instead of bulk copies; bit 6: four rows per warp at a time with their
+// reductions batched; bit 7: 3,000 SM clocks of one warp's work after the
+// wait before anything else (a routed launch's selection). y[o] for the
+// rows o < 2048: x[o] / 2 + 1e-3 dot(o) (misc.cu has the layout). marks
+// (optional, 5 per block): the SM clock at entry, past the wait, input
+// staged, weights in, end.
 void launch_resident_probe(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
                            int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).

@@ -237,8 +237,8 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
       const uint4* src = w + size_t(blockIdx.x) * (wbytes / 16);
       const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
       for (uint32_t i = tid; i < (wbytes + sbytes) / 16; i += NT) {
-        const void* g = i < wbytes / 16 ? static_cast<const void*>(src + i)
-                                        : static_cast<const void*>(rs + size_t(blockIdx.x) * rs_stride + 4 * (i - wbytes / 16));
+        const float* sp = rs + size_t(blockIdx.x) * rs_stride + 4 * (i - wbytes / 16);
+        const void* g = i < wbytes / 16 ? static_cast<const void*>(src + i) : static_cast<const void*>(sp);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * i), "l"(g) : "memory");
       }
       asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -489,16 +489,15 @@ void launch_resident_probe_t(const float* x, float* y, const uint4* w, const flo
 void launch_resident_probe(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
                            int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl) {
   const size_t smem = size_t(rows) * kResRowBytes + ((size_t(rows) * 4 + 15) & ~size_t(15));
-  if (rows < 1 || blocks * rows < kProbeCols || (threads != 256 && threads != 512 && threads != -256) ||
-      (xbits != 8 && xbits != 16) || mode < 0 || mode > 255 || ((mode & 4) && (mode & 2)) || smem > 110 * 1024 || rows > 112)
+  if (rows < 1 || rows > 112 || blocks * rows < kProbeCols || (threads != 256 && threads != 512 && threads != -256) ||
+      (xbits != 8 && xbits != 16) || mode < 0 || mode > 255 || ((mode & 4) && (mode & 2)) || smem > 110 * 1024)
     fail("resident probe: ", rows, " rows, ", blocks, " blocks, ", threads, " threads, ", xbits, "-bit codes, mode ",
          mode);
-  if (threads == -256 && xbits == 8) return launch_resident_probe_t<256, 8, 4>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
-  if (threads == -256) return launch_resident_probe_t<256, 16, 4>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
-  if (threads == 256 && xbits == 8) return launch_resident_probe_t<256, 8, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
-  if (threads == 256) return launch_resident_probe_t<256, 16, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
-  if (xbits == 8) return launch_resident_probe_t<512, 8, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
-  launch_resident_probe_t<512, 16, 2>(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl);
+  auto go = [&](auto kernel_launch) { kernel_launch(x, y, w, rs, rows, blocks, mode, marks, smem, s, pdl); };
+  const bool b8 = xbits == 8;
+  if (threads == -256) return go(b8 ? launch_resident_probe_t<256, 8, 4> : launch_resident_probe_t<256, 16, 4>);
+  if (threads == 256) return go(b8 ? launch_resident_probe_t<256, 8, 2> : launch_resident_probe_t<256, 16, 2>);
+  go(b8 ? launch_resident_probe_t<512, 8, 2> : launch_resident_probe_t<512, 16, 2>);
 }
 
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl) {
