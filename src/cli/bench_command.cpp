@@ -316,7 +316,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
                           {"4 resident / SM, every copy before the wait", -256, 1}};
       for (const CRung& c : cr) {
         const auto pat = c.threads == -256 ? step(dn4, at4, c.routed) : step(dn2, at2, c.routed);
-        const double us = b->resident_chain_us(pat, 1, c.threads);
+        const double us = b->resident_chain_us(pat, c.threads);
         std::printf("  %-48s %8.1f\n", c.name, us);
         cj.push_back({{"chain", c.name}, {"us_per_step", us}});
       }

@@ -1663,8 +1663,8 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
   return r;
 }
 
-double CudaBackend::resident_chain_us(const std::vector<ResidentLaunch>& pattern, int repeat, int threads) {
-  return resident_graph_ms(impl_->stream, pattern, repeat, threads, 16, true, nullptr, 10) * 1e3 / repeat;
+double CudaBackend::resident_chain_us(const std::vector<ResidentLaunch>& chain, int threads) {
+  return resident_graph_ms(impl_->stream, chain, 1, threads, 16, true, nullptr, 10) * 1e3;
 }
 
 bool CudaBackend::graph_uses_pdl(SequenceCache& base) {

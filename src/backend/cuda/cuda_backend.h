@@ -120,12 +120,11 @@ class CudaBackend : public Backend {
   };
   ResidentProbe resident_probe(int launches, int rows, int threads, int xbits, int mode, bool pdl, int per_sm = 1);
   // A chain of resident-probe launches of mixed shapes (a model step's
-  // sizes): the pattern repeated `repeat` times, 16-bit codes; us per
-  // repetition.
+  // sizes), 16-bit codes; us per chain.
   struct ResidentLaunch {
     int rows, per_sm, mode;
   };
-  double resident_chain_us(const std::vector<ResidentLaunch>& pattern, int repeat, int threads);
+  double resident_chain_us(const std::vector<ResidentLaunch>& chain, int threads);
   // The whole decode step captured once with per-block timeline records
   // (TraceSpec) and replayed; returns the last replay's launches in step
   // order. sm_mhz converts the SM-clock intervals. The cache's position is
