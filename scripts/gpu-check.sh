@@ -56,9 +56,11 @@ run() {
     if [[ ${VARIANTS:-1} == 1 ]]; then
       # What the launch machinery buys: the same step without PDL, and
       # without graphs (kernels launched one by one from the host).
-      for v in ${VARIANT_LIST:-"LILY_CUDA_PDL=0" "LILY_CUDA_GRAPHS=0" "LILY_CUDA_MV_MINBLOCKS=3"}; do
+      # LILY_CUDA_DN_IN=1: v21's DeltaNet step in the in_proj's launch
+      # (off by default until measured), with each cluster size.
+      for v in ${VARIANT_LIST:-"LILY_CUDA_PDL=0" "LILY_CUDA_GRAPHS=0" "LILY_CUDA_MV_MINBLOCKS=3" "LILY_CUDA_DN_IN=1" "LILY_CUDA_DN_IN=1 LILY_CUDA_DN_CLUSTER=1"}; do
         echo "-- variant $v" | tee -a "$LOG"
-        env "$v" timeout 60 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda --ctx 4096 \
+        env $v timeout 60 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda --ctx 4096 \
           --repeats 3 2>&1 | tail -1 | sed "s/^/$v /" | tee -a "$LOG"
       done
     fi

@@ -857,6 +857,199 @@ TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
   }
 }
 
+// The in_proj with the DeltaNet step in its launch (launch_matvec_dn, one
+// cluster per key head) against the two launches it replaces: the projected
+// rows, the state, the conv ring and the outputs bit for bit over several
+// steps, for the model's shape (the one-pass staging on 16- and 8-bit
+// integer inputs), the fixtures' and a 3-value-heads-per-key-head one, in
+// three weight formats.
+void dn_in_step_matches_two_launches() {
+  std::mt19937 rng(17);
+  struct Dims { int nk, nv, dk, dv, K, H; };
+  struct Fmt { WeightFormat f; int group; int bits; const char* name; };
+  const Fmt fmts[] = {{WeightFormat::Affine4, 64, 16, "q4 q16"}, {WeightFormat::Affine4, 64, 8, "q4 q8"},
+                      {WeightFormat::Affine4, 64, 0, "q4 f32"}, {WeightFormat::Affine8, 32, 0, "q8"},
+                      {WeightFormat::BF16, 0, 0, "bf16"}};
+  for (Dims d : {Dims{16, 32, 128, 128, 4, 2048}, Dims{2, 4, 32, 32, 4, 128}, Dims{1, 3, 64, 64, 3, 384}})
+    for (const Fmt& fm : fmts) {
+      SCOPED_TRACE(std::string(fm.name) + " dk " + std::to_string(d.dk) + " dv " + std::to_string(d.dv) +
+                   " nv " + std::to_string(d.nv));
+      const int C = 2 * d.nk * d.dk + d.nv * d.dv, V = d.nv * d.dv, NP = C + V + 2 * d.nv;
+      auto wqkv = random_matrix(fm.f, C, d.H, fm.group, DType::BF16, rng);
+      auto wz = random_matrix(fm.f, V, d.H, fm.group, DType::BF16, rng);
+      auto wb = random_matrix(fm.f, d.nv, d.H, fm.group, DType::BF16, rng);
+      auto wa = random_matrix(fm.f, d.nv, d.H, fm.group, DType::BF16, rng);
+      auto dqkv = cuda::upload_matrix(wqkv.m, 1), dz = cuda::upload_matrix(wz.m, 2);
+      auto db = cuda::upload_matrix(wb.m, 3), da = cuda::upload_matrix(wa.m, 4);
+      const auto nw = random_vec(d.H, rng, 0.5f, 1.5f);
+      const auto conv_w = random_vec(size_t(C) * d.K, rng, -0.5f, 0.5f);
+      const auto a_log = random_vec(d.nv, rng, 0.f, 1.f), dt_bias = random_vec(d.nv, rng, -1, 1);
+      const auto state0 = random_vec(size_t(V) * d.dk, rng, -0.1f, 0.1f);
+      const auto ring0 = random_vec(size_t(C) * d.K, rng, -1, 1);
+      auto dnw = to_device(nw), dconv_w = to_device(conv_w), dalog = to_device(a_log), ddt = to_device(dt_bias);
+      // [0]: two launches, [1]: one.
+      DeviceBuffer proj[2] = {poisoned(NP), poisoned(NP)}, out[2] = {poisoned(V), poisoned(V)};
+      DeviceBuffer state[2] = {to_device(state0), to_device(state0)}, ring[2] = {to_device(ring0), to_device(ring0)};
+      DeviceBuffer ctrl(sizeof(cuda::DecodeCtrl));
+      for (int step = 0; step < 3; ++step) {
+        const auto x = random_vec(d.H, rng, -2, 2);
+        auto dx = to_device(x);
+        cuda::DecodeCtrl hc = {step + 5, 0, 0, 0, 0};
+        LILY_CUDA(cudaMemcpy(ctrl.get(), &hc, sizeof hc, cudaMemcpyHostToDevice));
+        for (int v = 0; v < 2; ++v) {
+          float* P = proj[v].as<float>();
+          cuda::MatvecParams in;
+          cuda::set_layout(in, dqkv.v);
+          in.act_bits = fm.bits;
+          in.njobs = 4;
+          const cuda::DevMat* ms[4] = {&dqkv, &dz, &db, &da};
+          float* outs[4] = {P, P + C, P + C + V, P + C + V + d.nv};
+          for (int j = 0; j < 4; ++j) in.jobs[j] = {ms[j]->v.w, ms[j]->v.sb, ms[j]->v.rows, -1, 0, 0, outs[j]};
+          in.x = dx.as<float>();
+          in.pro = cuda::Prologue::Norm;
+          in.norm_w = dnw.as<float>();
+          in.seg = d.H;
+          in.eps = 1e-6f;
+          cuda::DeltaNetParams p;
+          p.proj = P;
+          p.conv_ring = ring[v].as<float>();
+          p.conv_w = dconv_w.as<float>();
+          p.state = state[v].as<float>();
+          p.a_log = dalog.as<float>();
+          p.dt_bias = ddt.as<float>();
+          p.out = out[v].as<float>();
+          p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+          p.nk = d.nk;
+          p.nv = d.nv;
+          p.dk = d.dk;
+          p.dv = d.dv;
+          p.K = d.K;
+          ASSERT_TRUE(cuda::matvec_dn_ok(in, p));
+          if (v == 0) {
+            cuda::launch_matvec(in, nullptr, false);
+            cuda::launch_deltanet_step(p, nullptr, false);
+          } else {
+            cuda::launch_matvec_dn(in, p, nullptr, false);
+          }
+        }
+        auto eq = [](const DeviceBuffer& a, const DeviceBuffer& b, size_t n) {
+          const auto ha = to_host<uint32_t>(a, n), hb = to_host<uint32_t>(b, n);
+          size_t diff = 0;
+          for (size_t i = 0; i < n; ++i) diff += ha[i] != hb[i];
+          return diff;
+        };
+        EXPECT_EQ(eq(proj[0], proj[1], NP), 0u) << "projected rows differ, step " << step;
+        EXPECT_EQ(eq(out[0], out[1], V), 0u) << "outputs differ, step " << step;
+        EXPECT_EQ(eq(state[0], state[1], size_t(V) * d.dk), 0u) << "states differ, step " << step;
+        EXPECT_EQ(eq(ring[0], ring[1], size_t(C) * d.K), 0u) << "conv rings differ, step " << step;
+        const auto o = to_host<float>(out[1], V);
+        EXPECT_TRUE(std::all_of(o.begin(), o.end(), [](float f) { return std::isfinite(f); }));
+      }
+    }
+}
+TEST(CudaDeltaNet, InProjWithStepMatchesTwoLaunches) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (const char* cl : {"2", "1"}) {
+    ScopedEnv env("LILY_CUDA_DN_CLUSTER", cl);
+    SCOPED_TRACE(std::string("LILY_CUDA_DN_CLUSTER=") + cl);
+    with_both_stagings(dn_in_step_matches_two_launches);
+  }
+}
+// The row map (no GPU needed): the clusters' tiles cover every row of the
+// four jobs exactly once, and each row in the cluster of the key head whose
+// step reads it (q, k of key head g; v, z, b, a of g's value heads).
+TEST(CudaDeltaNet, InProjWithStepRowMapCoversEveryRowOnce) {
+  struct Dims { int nk, nv, dk, dv; };
+  for (Dims dm : {Dims{16, 32, 128, 128}, Dims{2, 4, 32, 32}, Dims{1, 3, 64, 64}, Dims{4, 4, 16, 32},
+                  Dims{2, 16, 48, 32}}) {
+    cuda::DeltaNetParams d;
+    d.nk = dm.nk;
+    d.nv = dm.nv;
+    d.dk = dm.dk;
+    d.dv = dm.dv;
+    const int ratio = d.nv / d.nk, C = 2 * d.nk * d.dk + d.nv * d.dv, V = d.nv * d.dv;
+    const int rows[4] = {C, V, d.nv, d.nv};
+    const int sbk = cuda::dn_step_blocks(d), ns = cuda::dn_step_tiles(d);
+    ASSERT_LE(sbk, 8);
+    for (int cs : {sbk, 2 * sbk}) {
+      SCOPED_TRACE("dk " + std::to_string(d.dk) + " nv " + std::to_string(d.nv) + " cluster " + std::to_string(cs));
+      std::vector<int> owner[4];
+      for (int j = 0; j < 4; ++j) owner[j].assign(rows[j], -1);
+      int covered = 0, max_tiles = 0, min_tiles = 1 << 30;
+      for (int g = 0; g < d.nk; ++g)
+        for (int rank = 0; rank < cs; ++rank) {
+          const cuda::DnBlockTiles bt = cuda::dn_block_tiles(d, cs, rank);
+          const int n_step = bt.se - bt.sb, n = n_step + bt.ze - bt.zb;
+          max_tiles = std::max(max_tiles, n);
+          min_tiles = std::min(min_tiles, n);
+          for (int i = 0; i < n; ++i) {
+            const int t = i < n_step ? bt.sb + i : bt.zb + i - n_step;  // as the kernel walks them
+            for (int w = 0; w < cuda::kRowsPerTile / 2; ++w) {
+              const cuda::DnRowPair rp = cuda::dn_row_pair(d, g, t * cuda::kRowsPerTile + 2 * w);
+              // A step tile's rows are the step's (q, k, v, b, a), a z tile's z.
+              if (rp.n > 0) {
+                EXPECT_EQ(rp.job == 1, t >= ns) << "tile " << t;
+              }
+              for (int k = 0; k < rp.n; ++k) {
+                ASSERT_GE(rp.job, 0);
+                ASSERT_LT(rp.job, 4);
+                ASSERT_LT(rp.row + k, rows[rp.job]) << "job " << rp.job;
+                EXPECT_EQ(owner[rp.job][rp.row + k], -1) << "job " << rp.job << " row " << rp.row + k << " twice";
+                owner[rp.job][rp.row + k] = g;
+                ++covered;
+              }
+            }
+          }
+        }
+      EXPECT_LE(max_tiles - min_tiles, 1) << "tiles per block";
+      EXPECT_EQ(covered, C + V + 2 * d.nv);
+      for (int r = 0; r < C; ++r) {
+        const int want =
+            r < 2 * d.nk * d.dk ? (r % (d.nk * d.dk)) / d.dk : (r - 2 * d.nk * d.dk) / (ratio * d.dv);
+        EXPECT_EQ(owner[0][r], want) << "q|k|v row " << r;
+      }
+      for (int r = 0; r < V; ++r) EXPECT_EQ(owner[1][r], r / (ratio * d.dv)) << "z row " << r;
+      for (int h = 0; h < d.nv; ++h) {
+        EXPECT_EQ(owner[2][h], h / ratio) << "b row " << h;
+        EXPECT_EQ(owner[3][h], h / ratio) << "a row " << h;
+      }
+    }
+  }
+}
+// The shapes it refuses (the launches stay separate there).
+TEST(CudaDeltaNet, InProjWithStepRefusesOtherShapes) {
+  cuda::DeltaNetParams d;
+  d.nk = 16;
+  d.nv = 32;
+  d.dk = 128;
+  d.dv = 128;
+  d.K = 4;
+  float* P = reinterpret_cast<float*>(uintptr_t(1) << 20);
+  const int C = 2 * 16 * 128 + 32 * 128, V = 32 * 128;
+  cuda::MatvecParams in;
+  in.njobs = 4;
+  d.proj = P;
+  float* outs[4] = {P, P + C, P + C + V, P + C + V + 32};
+  const int rows[4] = {C, V, 32, 32};
+  for (int j = 0; j < 4; ++j) {
+    in.jobs[j].rows = rows[j];
+    in.jobs[j].out = outs[j];
+  }
+  EXPECT_TRUE(cuda::matvec_dn_ok(in, d));
+  auto refused = [&](auto change) {
+    cuda::MatvecParams i2 = in;
+    cuda::DeltaNetParams d2 = d;
+    change(i2, d2);
+    return !cuda::matvec_dn_ok(i2, d2);
+  };
+  EXPECT_TRUE(refused([](cuda::MatvecParams&, cuda::DeltaNetParams& e) { e.dv = 96; }));   // rows per key head
+  EXPECT_TRUE(refused([](cuda::MatvecParams&, cuda::DeltaNetParams& e) { e.nv = 64; }));   // 16 blocks a cluster
+  EXPECT_TRUE(refused([](cuda::MatvecParams&, cuda::DeltaNetParams& e) { e.dk = 120; }));  // dk not a tile multiple
+  EXPECT_TRUE(refused([](cuda::MatvecParams& i, cuda::DeltaNetParams&) { i.njobs = 3; }));
+  EXPECT_TRUE(refused([](cuda::MatvecParams& i, cuda::DeltaNetParams&) { i.jobs[1].out += 1; }));
+  EXPECT_TRUE(refused([](cuda::MatvecParams& i, cuda::DeltaNetParams&) { i.argmax = 1; }));
+}
+
 // The host twin of the kernels' q8 row quantization (KvType::Q8): codes
 // (offset binary) and the scale of one row of n values.
 float kv_q8_quantize_ref(const float* x, int n, uint8_t* codes) {

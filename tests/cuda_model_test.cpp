@@ -33,6 +33,7 @@
 #ifdef LILY_HAVE_CUDA
 
 #include <cstdio>
+#include <cstring>
 #include <map>
 
 #include "backend/backend.h"
@@ -48,12 +49,15 @@ namespace {
 using test::fixture_dir;
 using test::load_reference;
 
-Backend& cuda_backend_for(const std::string& fixture, cuda::KvType kv) {
+// dn_in: 1 / 0 forces the DeltaNet step into the in_proj's launch on / off
+// (CudaOptions::dn_in_step), -1 leaves the default.
+Backend& cuda_backend_for(const std::string& fixture, cuda::KvType kv, int dn_in = -1) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture + "/" + cuda::kv_type_name(kv)];
+  auto& b = cache[fixture + "/" + cuda::kv_type_name(kv) + "/" + std::to_string(dn_in)];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
     o.kv = kv;
+    if (dn_in >= 0) o.dn_in_step = dn_in == 1;
     if (kv == cuda::KvType::F32) o.act_bits = 0;  // the f32 comparison runs f32 throughout
     o.prefill = false;  // the prompt runs through the decode step too (prefill: tests below)
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
@@ -274,6 +278,32 @@ TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
   std::printf("[ cuda     ] %s prefill (chunks of 7) + decode vs cpu: max %.2e, mean %.2e, argmax %.0f%% of %d\n",
               what.c_str(), r.worst, r.mean, 100 * r.agree, r.compared);
   }
+}
+
+// The DeltaNet step in the in_proj's launch (launch_matvec_dn) against the
+// two launches: the same rows and the same step arithmetic, so the same
+// logits bit for bit at every position, and the same greedy tokens.
+TEST_P(CudaModelFixture, DeltaNetStepInInProjChangesNoBit) {
+  LILY_SKIP_WITHOUT_GPU();
+  auto [fixture, which] = GetParam();
+  auto ref = load_reference(fixture, which);
+  Sequence s0(cuda_backend_for(fixture, cuda::KvType::BF16, 0), 4096);
+  Sequence s1(cuda_backend_for(fixture, cuda::KvType::BF16, 1), 4096);
+  auto l0 = s0.append(ref.prompt);
+  auto l1 = s1.append(ref.prompt);
+  for (size_t i = 0;; ++i) {
+    ASSERT_EQ(l0.size(), l1.size());
+    size_t diff = 0;
+    for (size_t k = 0; k < l0.size(); ++k) diff += std::memcmp(&l0[k], &l1[k], 4) != 0;
+    ASSERT_EQ(diff, 0u) << fixture << "/" << which << " step " << i;
+    if (i == ref.generated.size()) break;
+    l0 = s0.append(std::span<const int>(&ref.generated[i], 1));
+    l1 = s1.append(std::span<const int>(&ref.generated[i], 1));
+  }
+  const int n = static_cast<int>(ref.generated.size());
+  Sequence g0(cuda_backend_for(fixture, cuda::KvType::BF16, 0), 4096);
+  Sequence g1(cuda_backend_for(fixture, cuda::KvType::BF16, 1), 4096);
+  EXPECT_EQ(generate_greedy(g1, ref.prompt, n, {}), generate_greedy(g0, ref.prompt, n, {}));
 }
 
 TEST_P(CudaModelFixture, GreedyTokensMatchCpu) {

@@ -51,6 +51,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -440,35 +441,11 @@ struct CudaBackend::Impl {
   // layout; the finish (if any) goes with the last launch.
   void add_matvec(std::vector<Step>& steps, const std::string& name, const std::vector<JobSpec>& jobs,
                   MatvecParams proto) {
-    const auto groups = group_by_layout(jobs, [](const JobSpec& j) -> const DevMatView& { return j.m->v; });
+    const auto groups = layout_groups(jobs);
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const auto& g = groups[gi];
       MatvecParams p = proto;
-      const DevMatView& v0 = g[0].m->v;
-      set_layout(p, v0);
-      p.act_bits = opt.act_bits;
-      p.njobs = static_cast<int>(g.size());
-      double bytes = 0;
-      for (size_t i = 0; i < g.size(); ++i) {
-        const JobSpec& j = g[i];
-        MatvecJob& J = p.jobs[i];
-        J.w = j.m->v.w;
-        J.sb = j.m->v.sb;
-        J.out = j.out;
-        if (j.experts > 0) {
-          J.rows = j.m->v.rows / j.experts;
-          J.slot = j.slot;
-          J.w_expert_stride = static_cast<long long>(J.rows) * v0.chunks;
-          J.sb_expert_stride = static_cast<long long>(J.rows) * v0.groups;
-          bytes += double(j.m->v.bytes()) / j.experts;
-        } else {
-          J.rows = j.m->v.rows;
-          bytes += double(j.m->v.bytes());
-        }
-      }
-      bytes += double(p.cols) * 4;
-      if (std::none_of(g.begin(), g.end(), [](const JobSpec& j) { return j.slot >= 0; }))
-        p.route = RouteSpec{};  // no routed job in this launch
+      double bytes = group_params(p, g);
       if (gi + 1 < groups.size()) {
         p.fin = Finish::None;
         p.argmax = 0;
@@ -476,6 +453,38 @@ struct CudaBackend::Impl {
       if (p.fin != Finish::None) p.counter = next_counter();
       steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); }});
     }
+  }
+  static std::vector<std::vector<JobSpec>> layout_groups(const std::vector<JobSpec>& jobs) {
+    return group_by_layout(jobs, [](const JobSpec& j) -> const DevMatView& { return j.m->v; });
+  }
+  // One launch's jobs (one layout) into p; returns the bytes it reads.
+  double group_params(MatvecParams& p, const std::vector<JobSpec>& g) const {
+    const DevMatView& v0 = g[0].m->v;
+    set_layout(p, v0);
+    p.act_bits = opt.act_bits;
+    p.njobs = static_cast<int>(g.size());
+    double bytes = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      const JobSpec& j = g[i];
+      MatvecJob& J = p.jobs[i];
+      J.w = j.m->v.w;
+      J.sb = j.m->v.sb;
+      J.out = j.out;
+      if (j.experts > 0) {
+        J.rows = j.m->v.rows / j.experts;
+        J.slot = j.slot;
+        J.w_expert_stride = static_cast<long long>(J.rows) * v0.chunks;
+        J.sb_expert_stride = static_cast<long long>(J.rows) * v0.groups;
+        bytes += double(j.m->v.bytes()) / j.experts;
+      } else {
+        J.rows = j.m->v.rows;
+        bytes += double(j.m->v.bytes());
+      }
+    }
+    bytes += double(p.cols) * 4;
+    if (std::none_of(g.begin(), g.end(), [](const JobSpec& j) { return j.slot >= 0; }))
+      p.route = RouteSpec{};  // no routed job in this launch
+    return bytes;
   }
 
   unsigned* next_counter() {
@@ -521,8 +530,8 @@ struct CudaBackend::Impl {
       }
       if (L.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
-        add_matvec(steps, "deltanet.in_proj",
-                   {{&L.in_qkv, P}, {&L.in_z, P + C}, {&L.in_b, P + C + V}, {&L.in_a, P + C + V + nv}}, in);
+        const std::vector<JobSpec> in_jobs = {
+            {&L.in_qkv, P}, {&L.in_z, P + C}, {&L.in_b, P + C + V}, {&L.in_a, P + C + V + nv}};
         DeltaNetParams d;
         d.proj = P;
         d.conv_ring = cache.conv[l].as<float>();
@@ -538,15 +547,27 @@ struct CudaBackend::Impl {
         d.dv = c.linear_value_head_dim;
         d.K = c.linear_conv_kernel;
         const double state_bytes = 2.0 * cache.state[l].bytes() + cache.conv[l].bytes() * 1.0;
-        steps.push_back({"deltanet.step", state_bytes, 0,
-                         [d](cudaStream_t s, bool pdl) { launch_deltanet_step(d, s, pdl); }});
+        // The step in the in_proj's launch where the jobs share one layout
+        // and the shapes fit (launch_matvec_dn); else two launches.
+        MatvecParams in_one = in;
+        const auto in_groups = layout_groups(in_jobs);
+        const double in_bytes = in_groups.size() == 1 ? group_params(in_one, in_groups[0]) : 0.0;
+        const bool dn_in = opt.dn_in_step && in_groups.size() == 1 && matvec_dn_ok(in_one, d);
+        if (dn_in) {
+          steps.push_back({"deltanet.in_proj+step", in_bytes + state_bytes, 0,
+                           [in_one, d](cudaStream_t s, bool pdl) { launch_matvec_dn(in_one, d, s, pdl); }});
+        } else {
+          add_matvec(steps, "deltanet.in_proj", in_jobs, in);
+          steps.push_back({"deltanet.step", state_bytes, 0,
+                           [d](cudaStream_t s, bool pdl) { launch_deltanet_step(d, s, pdl); }});
+        }
         MatvecParams o;
         o.x = dn_out.as<float>();
         o.pro = Prologue::GatedNorm;
         o.norm_w = L.dn_norm.as<float>();
         o.seg = c.linear_value_head_dim;
         o.gate_z = P + C;
-        o.gate_z_early = 1;  // z comes from the in_proj, two launches back
+        o.gate_z_early = dn_in ? 0 : 1;  // z comes from the in_proj, two launches back (or the previous one)
         o.eps = c.rms_norm_eps;
         o.epi = Epilogue::Add;
         if (fold) o.fold = L.fold;

@@ -36,6 +36,10 @@ struct CudaOptions {
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
   int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
   bool router_fold = true;  // MoE router logits summed in the out_proj epilogue (no router launch)
+  // The DeltaNet step run inside the in_proj's launch (launch_matvec_dn,
+  // clusters per key head) where the shapes fit, one launch fewer per
+  // DeltaNet layer. Off until measured on a GPU (docs/cuda-decode.md, "v21").
+  bool dn_in_step = false;
   // Decode matvecs over q4 weights take their input as integer codes per
   // 32-input chunk and multiply on IDP.4A: 16 bits (15 under the chunk's
   // largest input, the default), 8 (faster, coarser), or 0 (f32 inputs;
@@ -44,7 +48,7 @@ struct CudaOptions {
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
-// LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_ACT=q16|q8|f32.
+// LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32.
 CudaOptions options_from_env();
 
 struct KernelTiming {

@@ -267,6 +267,82 @@ struct DeltaNetParams {
 };
 void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl);
 
+// The in_proj (q|k|v, z, b, a: four jobs storing into d.proj) with the
+// DeltaNet step in the same launch: clusters of (value heads per key head) x
+// dv / 32 blocks, one per key head, each computing its key head's rows and
+// then running the step on them after the cluster barrier (matvec.cu). The
+// step's results equal deltanet_step's bit for bit. matvec_dn_ok: whether the
+// shapes allow it (dk and the rows per key head multiples of 16, at most 8
+// blocks per cluster, dk <= 128, the outputs where the step reads them).
+struct MatvecDnParams {
+  MatvecParams mv;
+  DeltaNetParams dn;
+  int cluster = 0;  // set by launch_matvec_dn: blocks per cluster (a multiple of dn_step_blocks)
+};
+// Its row map. A key head g's rows in 16-row tiles: tile 0 holds b (rows
+// 0-7) and a (8-15) of g's value heads, then q and k (dk each) and v (ratio x
+// dv): the step tiles, which the step reads; then z (ratio x dv), which only
+// the out_proj reads. dk and ratio x dv are multiples of 16, so no warp's row
+// pair straddles two segments. Block `rank` of the cluster takes a share of
+// the step tiles [sb, se) and then of the z tiles [zb, ze) (the blocks with
+// fewer step tiles more z tiles), arriving at the cluster barrier between
+// the two and waiting on it after both, so the z tiles hide the wait. The
+// first dn_step_blocks ranks then run one step block each (value head,
+// 32-column slice): value heads per key head x dv / 32 of them.
+__host__ __device__ inline int dn_step_blocks(const DeltaNetParams& d) { return d.nv / d.nk * (d.dv / 32); }
+__host__ __device__ inline int dn_step_tiles(const DeltaNetParams& d) {
+  return 1 + (2 * d.dk + d.nv / d.nk * d.dv) / kRowsPerTile;
+}
+__host__ __device__ inline int dn_z_tiles(const DeltaNetParams& d) { return d.nv / d.nk * d.dv / kRowsPerTile; }
+struct DnBlockTiles {
+  int sb, se, zb, ze;  // tiles of the key head's layout
+};
+__host__ __device__ inline DnBlockTiles dn_block_tiles(const DeltaNetParams& d, int cluster, int rank) {
+  auto split = [](int n, int parts, int i, int* b, int* e) {
+    const int base = n / parts, extra = n % parts;
+    *b = i * base + (i < extra ? i : extra);
+    *e = *b + base + (i < extra ? 1 : 0);
+  };
+  DnBlockTiles t;
+  const int ns = dn_step_tiles(d);
+  split(ns, cluster, rank, &t.sb, &t.se);
+  split(dn_z_tiles(d), cluster, cluster - 1 - rank, &t.zb, &t.ze);
+  t.zb += ns;
+  t.ze += ns;
+  return t;
+}
+// The row pair at offset lr (even) of key head g's rows: its job, its first
+// row in the job, and how many of its two rows exist (0, 1 or 2).
+struct DnRowPair {
+  int job, row, n;
+};
+__host__ __device__ inline DnRowPair dn_row_pair(const DeltaNetParams& d, int g, int lr) {
+  const int ratio = d.nv / d.nk, rv = ratio * d.dv;
+  int job, first, seg, off;  // the segment: its job, first row in the job, rows; lr's offset in it
+  if (lr < kRowsPerTile) {
+    job = lr < 8 ? 2 : 3;
+    first = g * ratio;
+    seg = ratio;
+    off = lr & 7;
+  } else if (lr < kRowsPerTile + 2 * d.dk) {
+    const bool k = lr >= kRowsPerTile + d.dk;
+    job = 0;
+    off = lr - kRowsPerTile - (k ? d.dk : 0);
+    first = (k ? d.nk * d.dk : 0) + g * d.dk;
+    seg = d.dk;
+  } else {
+    const int o = lr - kRowsPerTile - 2 * d.dk;
+    job = o < rv ? 0 : 1;
+    off = o < rv ? o : o - rv;
+    first = (o < rv ? 2 * d.nk * d.dk : 0) + g * rv;
+    seg = rv;
+  }
+  const int n = off >= seg ? 0 : off + 1 < seg ? 2 : 1;
+  return {job, first + off, n};
+}
+bool matvec_dn_ok(const MatvecParams& in, const DeltaNetParams& d);
+void launch_matvec_dn(const MatvecParams& in, const DeltaNetParams& d, cudaStream_t s, bool pdl);
+
 // ---- Gated attention decode: split over the context, then combine -----------
 // qkv: [q heads x q_head_stride | k nkv x hd | v nkv x hd] (q head: query
 // then, when gated, the gate). Caches [nkv][capacity][hd] of f32, bf16 or q8

@@ -17,7 +17,9 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/cuda/deltanet_step.cuh"
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill_common.cuh"
 
 namespace lily::cuda {
 
@@ -777,6 +779,96 @@ __device__ __forceinline__ TileRows tile_rows_next(const MatvecParams& p, const 
   return n;
 }
 
+// ---- The DeltaNet step in the in_proj (launch_matvec_dn) ----
+// The in_proj (jobs 0-3: q|k|v, z, b, a) runs as clusters, one per key head
+// g (dn_row_pair: which rows a cluster computes): the cluster computes the
+// rows its key head's step needs, meets at the cluster barrier, and each
+// block then runs one step block (value head, 32-column slice) on them, so
+// the step is no launch of its own.
+template <bool kAffine>
+__device__ __forceinline__ TileRows dn_tile_rows(const MatvecParams& p, const DeltaNetParams& d, int g, int t,
+                                                 int warp) {
+  const DnRowPair rp = dn_row_pair(d, g, t * kRowsPerTile + warp * 2);
+  const MatvecJob& J = p.jobs[rp.job];
+  TileRows tr;
+  tr.job = rp.job;
+  tr.slot = -1;
+  tr.job_end = 0;
+  tr.valid = rp.n > 0;
+  tr.has_b = rp.n > 1;
+  tr.r0 = rp.row;
+  tr.out = J.out;
+  const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
+  tr.w0 = J.w + size_t(r0) * p.chunks;
+  tr.w1 = J.w + size_t(rb) * p.chunks;
+  tr.s0 = kAffine ? J.sb + size_t(r0) * p.groups : nullptr;
+  tr.s1 = kAffine ? J.sb + size_t(rb) * p.groups : nullptr;
+  return tr;
+}
+// Shared memory past the matvec's (floats, from a 16-byte boundary): the
+// step block's state slice [dk][32], its channels' conv taps and ring
+// slots [2 dk + 32][K] each, then a_log and dt_bias of its head.
+struct DnSmem {
+  int base, state, taps, ring, consts, total;
+};
+__host__ __device__ inline DnSmem dn_smem_layout(const DeltaNetParams& d, int matvec_floats) {
+  const int nch = 2 * d.dk + kDnCols;
+  DnSmem l;
+  l.base = (matvec_floats + 3) & ~3;
+  l.state = l.base;
+  l.taps = l.state + d.dk * kDnCols;
+  l.ring = l.taps + nch * d.K;
+  l.consts = l.ring + nch * d.K;
+  l.total = l.consts + 2;
+  return l;
+}
+// The step block's constants into shared memory by cp.async (nothing waits
+// for them until the step: the block reaches griddepcontrol.wait at once).
+__device__ __forceinline__ void dn_prefetch(const DeltaNetParams& d, float* smem, const DnSmem& l, int h, int cb,
+                                            int pos) {
+  using prefill_detail::cp_async16;
+  using prefill_detail::cp_async4;
+  const int nch = 2 * d.dk + kDnCols, K = d.K;
+  const float* S = d.state + size_t(h) * d.dk * d.dv + cb * kDnCols;
+  for (int i = threadIdx.x; i < d.dk * (kDnCols / 4); i += blockDim.x) {
+    const int r = i / (kDnCols / 4), c = (i % (kDnCols / 4)) * 4;
+    cp_async16(smem + l.state + r * kDnCols + c, S + size_t(r) * d.dv + c, 16);
+  }
+  for (int i = threadIdx.x; i < nch * K; i += blockDim.x) {
+    const int ch = dn_channel(d, h, cb, i / K), t = i % K;
+    cp_async4(smem + l.taps + i, d.conv_w + size_t(ch) * K + t, 4);
+    // Not the slot this step writes (another block of the cluster may be
+    // writing it while the copy is in flight; the conv does not read it).
+    if (t != pos % K) cp_async4(smem + l.ring + i, d.conv_ring + size_t(ch) * K + t, 4);
+  }
+  if (threadIdx.x == 0) {
+    cp_async4(smem + l.consts, d.a_log + h, 4);
+    cp_async4(smem + l.consts + 1, d.dt_bias + h, 4);
+  }
+  prefill_detail::cp_async_commit();
+}
+// The step itself, after the cluster barrier (threads 0..kDnThreads-1; the
+// same arithmetic as the step's own launch, deltanet_step_kernel<true>).
+constexpr int kDnStepBar = 5;
+__device__ __forceinline__ void dn_step_in_block(const DeltaNetParams& d, const float* smem, const DnSmem& l,
+                                                 int h, int cb, int pos) {
+  const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols, K = d.K;
+  __shared__ float qs[kDnMaxDk], ks[kDnMaxDk], vs[kDnCols];
+  DnConv cv;
+  dn_conv_pre(
+      d, h, cb, tid, pos, [&](int i, int) { return smem + l.taps + i * K; },
+      [&](int i, int) { return smem + l.ring + i * K; }, cv);
+  const float2 ba = dn_conv_finish<true>(d, h, cb, tid, pos, cv, qs, ks, vs);
+  float sr[kDnMaxRows];
+  const int nr = d.dk / kDnRowGroups;
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) sr[r] = smem[l.state + (qg + kDnRowGroups * r) * kDnCols + j];
+  named_bar(kDnStepBar, kDnThreads);
+  dn_update_fused(d, h, cb, tid, sr, qs, ks, vs, ba.x, ba.y, smem[l.consts], smem[l.consts + 1],
+                  [] { named_bar(kDnStepBar, kDnThreads); });
+}
+
 // One step of a warp: two rows x two chunks (c0 and c0 + 32) per lane.
 struct ItemRegs {
   uint4 w[2][2];      // [chunk][row]
@@ -879,8 +971,9 @@ __device__ __forceinline__ void fold_load(const RouterFold& f, const TileRows& t
 
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
-template <QFmt F, bool Route, bool Fast, bool Fold = false, int XB = 0>
-__device__ __forceinline__ void matvec_body(const MatvecParams& p) {
+// Dn: the in_proj with the DeltaNet step (dnp; see dn_tile_rows).
+template <QFmt F, bool Route, bool Fast, bool Fold = false, int XB = 0, bool Dn = false>
+__device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecDnParams* dnp = nullptr) {
   static_assert(XB == 0 || (F == QFmt::Q4 && Fast), "integer inputs: q4 with the one-pass staging");
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -898,7 +991,24 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   // blocks differ by at most one tile) or, with p.balanced == 0, equal
   // runs of ceil(total / grid).
   int t_begin, t_end;
-  if (p.balanced) {
+  // Dn: the block's key head g (its cluster), its tiles (DnBlockTiles: the
+  // loop's tile i is layout tile dn_tile(i)), and the step block it runs
+  // (value head dn_h, column slice dn_cb; dn_step false: none).
+  const DeltaNetParams* dn = Dn ? &dnp->dn : nullptr;
+  int dn_g = 0, dn_h = 0, dn_cb = 0;
+  bool dn_step = false;
+  DnBlockTiles dt{};
+  auto dn_tile = [&](int i) { return i < dt.se - dt.sb ? dt.sb + i : dt.zb + i - (dt.se - dt.sb); };
+  if constexpr (Dn) {
+    const int cs = dnp->cluster, rank = blockIdx.x % cs;
+    dn_g = blockIdx.x / cs;
+    dn_step = rank < dn_step_blocks(*dn);
+    dn_h = dn_g * (dn->nv / dn->nk) + rank / (dn->dv / kDnCols);
+    dn_cb = rank % (dn->dv / kDnCols);
+    dt = dn_block_tiles(*dn, cs, rank);
+    t_begin = 0;
+    t_end = (dt.se - dt.sb) + (dt.ze - dt.zb);
+  } else if (p.balanced) {
     const int base = total / gridDim.x, extra = total % gridDim.x, b = blockIdx.x;
     t_begin = b * base + min(b, extra);
     t_end = t_begin + base + (b < extra ? 1 : 0);
@@ -916,9 +1026,10 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
   ItemRegs cur, nxt;
   TileRows tr_cur, tr_nxt;
   int base;
-  const bool first_routed = nq > 0 && p.jobs[tile_job(p, t_begin, &base)].slot >= 0;
+  const bool first_routed = !Dn && nq > 0 && p.jobs[tile_job(p, t_begin, &base)].slot >= 0;
   if (nq > 0) {
-    tr_cur = tile_rows_pre<CF::affine>(p, t_begin, warp);
+    if constexpr (Dn) tr_cur = dn_tile_rows<CF::affine>(p, *dn, dn_g, dn_tile(t_begin), warp);
+    else tr_cur = tile_rows_pre<CF::affine>(p, t_begin, warp);
     if (!first_routed) load_item<CF::affine>(tr_cur, lane, chunks, cpg_sh, cur);
   }
   // The router fold's codes and scales (constants: before the wait).
@@ -931,7 +1042,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     for (int i = tid; i < p.zero_n; i += blockDim.x) p.zero_acc[i] = 0ull;
   // And the block's second tile into L2 (not a routed one: measured, that
   // costs more than it saves once the expert is known).
-  if (p.l2_prefetch && t_begin + 1 < t_end) {
+  if (!Dn && p.l2_prefetch && t_begin + 1 < t_end) {
     const MatvecJob& J = p.jobs[tile_job(p, t_begin + 1, &base)];
     if (J.slot < 0) {
       const int r0 = (t_begin + 1 - base) * kRowsPerTile;
@@ -949,6 +1060,13 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     if (tid >= st0) stage_regs_load<XB != 0>(p, tid - st0, blockDim.x - st0, sr);
   } else if (p.pro != Prologue::None) {
     for (int i = tid; i < p.cols; i += blockDim.x) smem[L.nw + i] = __ldg(p.norm_w + i % p.seg);
+  }
+  DnSmem dl{};
+  int dn_pos = 0;
+  if constexpr (Dn) {
+    dl = dn_smem_layout(*dn, L.total);
+    dn_pos = dn->ctrl->pos;  // written by the previous token's lm_head only
+    if (dn_step) dn_prefetch(*dn, smem, dl, dn_h, dn_cb, dn_pos);
   }
   __shared__ float s_red[kMatvecThreads / 32];
   pdl_wait();
@@ -1013,7 +1131,9 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     // Item q is (tile tl, step k); q + 1 is (tl1, k1), without a division.
     const int tl1 = k + 1 == niter ? tl + 1 : tl, k1 = k + 1 == niter ? 0 : k + 1;
     if (q + 1 < nq) {
-      tr_nxt = k1 == 0 ? tile_rows_next<CF::affine>(p, tr_cur, t_begin + tl1, warp, s_sel_idx) : tr_cur;
+      if constexpr (Dn)
+        tr_nxt = k1 == 0 ? dn_tile_rows<CF::affine>(p, *dn, dn_g, dn_tile(t_begin + tl1), warp) : tr_cur;
+      else tr_nxt = k1 == 0 ? tile_rows_next<CF::affine>(p, tr_cur, t_begin + tl1, warp, s_sel_idx) : tr_cur;
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
     if (tr_cur.valid) {
@@ -1052,6 +1172,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     if (k == niter - 1) {
       acc[0] = 0.f;
       acc[1] = 0.f;
+      // Dn: the block's step tiles stored: arrive (its z tiles follow).
+      if (Dn && tl == dt.se - dt.sb - 1) asm volatile("barrier.cluster.arrive.release;" ::: "memory");
     }
     cur = nxt;
     tr_cur = tr_nxt;
@@ -1095,6 +1217,20 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p) {
     }
   }
 
+  if constexpr (Dn) {
+    // Every block of the cluster has stored its step tiles (the arrive
+    // above, or here for a block without any; release / acquire at cluster
+    // scope, so the rows' stores are seen by the cluster's blocks, which
+    // read them from L2): the step block.
+    if (dt.se == dt.sb) asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+    if (dn_step) {
+      prefill_detail::cp_async_wait<0>();
+      __syncthreads();
+      if (tid < kDnThreads) dn_step_in_block(*dn, smem, dl, dn_h, dn_cb, dn_pos);
+    }
+  }
+
   if (p.argmax) {
     __shared__ unsigned long long s_key[kMatvecThreads / 32];
     unsigned long long key = best_i == 0x7fffffff ? 0ull : argmax_key(best_v, best_i);  // lanes 0 and 16
@@ -1133,6 +1269,11 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_kernel(const __grid_con
 template <QFmt F, bool Route>
 __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __grid_constant__ MatvecParams p) {
   matvec_body<F, Route, false>(p);
+}
+// The in_proj with the DeltaNet step (launch_matvec_dn; cluster dims at launch).
+template <QFmt F, bool Fast, int XB = 0>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_dn_kernel(const __grid_constant__ MatvecDnParams p) {
+  matvec_body<F, false, Fast, false, XB, true>(p.mv, &p);
 }
 // With the router fold (RouterFold) in the epilogue.
 template <QFmt F, bool Fast, int XB = 0>
@@ -1643,6 +1784,92 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
     case QFmt::BF16: return launch_matvec_t<QFmt::BF16>(p, s, pdl);
     case QFmt::F32: return launch_matvec_t<QFmt::F32>(p, s, pdl);
+  }
+}
+
+namespace {
+template <QFmt F>
+void launch_matvec_dn_t(const MatvecDnParams& p, cudaStream_t s, bool pdl) {
+  static bool init = [] {
+    allow_big_smem(matvec_dn_kernel<F, false>);
+    allow_big_smem(matvec_dn_kernel<F, true>);
+    if constexpr (F == QFmt::Q4) {
+      allow_big_smem(matvec_dn_kernel<F, true, 8>);
+      allow_big_smem(matvec_dn_kernel<F, true, 16>);
+    }
+    return true;
+  }();
+  (void)init;
+  const MatvecParams& m = p.mv;
+  const bool aligned = reinterpret_cast<uintptr_t>(m.x) % 16 == 0 && reinterpret_cast<uintptr_t>(m.norm_w) % 16 == 0;
+  const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
+                    fast_stage_ok(m.cols, m.chunks * (floats_per_chunk(F) / 4), m.seg, m.pro, kMatvecThreads);
+  const int xb = F == QFmt::Q4 && fast ? m.act_bits : 0;
+  auto kernel = fast ? matvec_dn_kernel<F, true> : matvec_dn_kernel<F, false>;
+  if constexpr (F == QFmt::Q4) {
+    if (xb == 8) kernel = matvec_dn_kernel<F, true, 8>;
+    if (xb == 16) kernel = matvec_dn_kernel<F, true, 16>;
+  }
+  const int nseg = m.pro == Prologue::None ? 0 : m.cols / m.seg;
+  const DnSmem l = dn_smem_layout(p.dn, matvec_smem_layout(m.chunks, floats_per_chunk(F), m.cols, nseg).total);
+  // Blocks per cluster: the step blocks, or twice as many (up to 16, a
+  // non-portable cluster size) so that two blocks share an SM, as the
+  // plain in_proj's do (LILY_CUDA_DN_CLUSTER=1|2, default 2).
+  const int sb = dn_step_blocks(p.dn);
+  int cs = sb;
+  if (const char* e = std::getenv("LILY_CUDA_DN_CLUSTER"); !(e && std::string(e) == "1") && 2 * sb <= 16) cs = 2 * sb;
+  if (cs > 8) {
+    static bool np = [] {
+      auto allow = [](auto k) {
+        LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      };
+      allow(matvec_dn_kernel<F, false>);
+      allow(matvec_dn_kernel<F, true>);
+      if constexpr (F == QFmt::Q4) {
+        allow(matvec_dn_kernel<F, true, 8>);
+        allow(matvec_dn_kernel<F, true, 16>);
+      }
+      return true;
+    }();
+    (void)np;
+  }
+  MatvecDnParams q = p;
+  q.cluster = cs;
+  q.mv.balanced = 1;
+  q.mv.l2_prefetch = 0;
+  q.mv.trace = next_trace();
+  launch_kernel_ex("matvec_dn", kernel, dim3(p.dn.nk * cs), dim3(kMatvecThreads), size_t(l.total) * 4, s, pdl, cs, q);
+}
+}  // namespace
+
+bool matvec_dn_ok(const MatvecParams& in, const DeltaNetParams& d) {
+  if (d.nk <= 0 || d.nv % d.nk != 0 || d.dv % kDnCols != 0 || d.K < 1) return false;
+  const int ratio = d.nv / d.nk, C = 2 * d.nk * d.dk + d.nv * d.dv;
+  bool ok = in.njobs == 4 && ratio <= 8 && dn_step_blocks(d) <= 8 && d.dk % kRowsPerTile == 0 &&
+            d.dk <= kDnMaxDk && (ratio * d.dv) % kRowsPerTile == 0 && !in.route.on() && !in.fold.acc &&
+            in.fin == Finish::None && !in.argmax && in.epi == Epilogue::Store && in.jobs[0].rows == C &&
+            in.jobs[1].rows == d.nv * d.dv && in.jobs[2].rows == d.nv && in.jobs[3].rows == d.nv;
+  for (int j = 0; j < 4 && ok; ++j) ok = in.jobs[j].slot < 0;
+  // The outputs where the step reads them: q|k|v, z, b, a back to back.
+  return ok && in.jobs[0].out == d.proj && in.jobs[1].out == d.proj + C && in.jobs[2].out == d.proj + C + d.nv * d.dv &&
+         in.jobs[3].out == d.proj + C + d.nv * d.dv + d.nv;
+}
+
+void launch_matvec_dn(const MatvecParams& in, const DeltaNetParams& d, cudaStream_t s, bool pdl) {
+  if (!matvec_dn_ok(in, d)) fail("matvec_dn: the in_proj and DeltaNet step shapes are not supported together");
+  if (!chunks_per_group_ok(in.fmt, in.chunks_per_group))
+    fail("matvec: ", in.chunks_per_group, " chunks per group (a power of two)");
+  if (in.pro != Prologue::None && (in.seg <= 0 || in.cols % in.seg != 0))
+    fail("matvec: norm segment ", in.seg, " does not divide ", in.cols, " inputs");
+  if (!act_bits_ok(in.act_bits)) fail("matvec: ", in.act_bits, "-bit inputs (0, 8 or 16)");
+  MatvecDnParams p;
+  p.mv = in;
+  p.dn = d;
+  switch (in.fmt) {
+    case QFmt::Q4: return launch_matvec_dn_t<QFmt::Q4>(p, s, pdl);
+    case QFmt::Q8: return launch_matvec_dn_t<QFmt::Q8>(p, s, pdl);
+    case QFmt::BF16: return launch_matvec_dn_t<QFmt::BF16>(p, s, pdl);
+    case QFmt::F32: return launch_matvec_dn_t<QFmt::F32>(p, s, pdl);
   }
 }
 
