@@ -284,11 +284,13 @@ struct MatvecDnParams {
 // dv): the step tiles, which the step reads; then z (ratio x dv), which only
 // the out_proj reads. dk and ratio x dv are multiples of 16, so no warp's row
 // pair straddles two segments. Block `rank` of the cluster takes a share of
-// the step tiles [sb, se) and then of the z tiles [zb, ze) (the blocks with
-// fewer step tiles more z tiles), arriving at the cluster barrier between
-// the two and waiting on it after both, so the z tiles hide the wait. The
-// first dn_step_blocks ranks then run one step block each (value head,
-// 32-column slice): value heads per key head x dv / 32 of them.
+// the step tiles [sb, se) and then of the z tiles [zb, ze), arriving at the
+// cluster barrier between the two and waiting on it after both, so the z
+// tiles hide the wait. The first dn_step_blocks ranks then run one step
+// block each (value head, 32-column slice): value heads per key head x
+// dv / 32 of them. Uneven shares: the last ranks (without a step block when
+// the cluster has more blocks) take the extra step tiles, the first ranks
+// the extra z tiles.
 __host__ __device__ inline int dn_step_blocks(const DeltaNetParams& d) { return d.nv / d.nk * (d.dv / 32); }
 __host__ __device__ inline int dn_step_tiles(const DeltaNetParams& d) {
   return 1 + (2 * d.dk + d.nv / d.nk * d.dv) / kRowsPerTile;
@@ -305,8 +307,8 @@ __host__ __device__ inline DnBlockTiles dn_block_tiles(const DeltaNetParams& d, 
   };
   DnBlockTiles t;
   const int ns = dn_step_tiles(d);
-  split(ns, cluster, rank, &t.sb, &t.se);
-  split(dn_z_tiles(d), cluster, cluster - 1 - rank, &t.zb, &t.ze);
+  split(ns, cluster, cluster - 1 - rank, &t.sb, &t.se);
+  split(dn_z_tiles(d), cluster, rank, &t.zb, &t.ze);
   t.zb += ns;
   t.ze += ns;
   return t;
