@@ -780,6 +780,29 @@ TEST(CudaMoeDown, IntInputsMatchEmulation) {
 }
 
 // Several decode steps of one DeltaNet layer against the CPU recurrence.
+// A DeltaNet step's parameters over the test's buffers.
+struct DnDims {
+  int nk, nv, dk, dv, K;
+};
+cuda::DeltaNetParams dn_params(DnDims d, float* proj, DeviceBuffer& ring, DeviceBuffer& conv_w, DeviceBuffer& state,
+                               DeviceBuffer& a_log, DeviceBuffer& dt_bias, DeviceBuffer& out, DeviceBuffer& ctrl) {
+  cuda::DeltaNetParams p;
+  p.proj = proj;
+  p.conv_ring = ring.as<float>();
+  p.conv_w = conv_w.as<float>();
+  p.state = state.as<float>();
+  p.a_log = a_log.as<float>();
+  p.dt_bias = dt_bias.as<float>();
+  p.out = out.as<float>();
+  p.ctrl = ctrl.as<cuda::DecodeCtrl>();
+  p.nk = d.nk;
+  p.nv = d.nv;
+  p.dk = d.dk;
+  p.dv = d.dv;
+  p.K = d.K;
+  return p;
+}
+
 TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(13);
@@ -803,20 +826,8 @@ TEST(CudaDeltaNet, StepsMatchCpuRecurrence) {
       auto out = poisoned(V);
       cuda::DecodeCtrl h = {step, 0, 0, 0, 0};
       LILY_CUDA(cudaMemcpy(ctrl.get(), &h, sizeof h, cudaMemcpyHostToDevice));
-      cuda::DeltaNetParams p;
-      p.proj = dproj.as<float>();
-      p.conv_ring = ring.as<float>();
-      p.conv_w = dconv_w.as<float>();
-      p.state = state.as<float>();
-      p.a_log = dalog.as<float>();
-      p.dt_bias = ddt.as<float>();
-      p.out = out.as<float>();
-      p.ctrl = ctrl.as<cuda::DecodeCtrl>();
-      p.nk = d.nk;
-      p.nv = d.nv;
-      p.dk = d.dk;
-      p.dv = d.dv;
-      p.K = d.K;
+      const cuda::DeltaNetParams p = dn_params({d.nk, d.nv, d.dk, d.dv, d.K}, dproj.as<float>(), ring, dconv_w, state,
+                                               dalog, ddt, out, ctrl);
       cuda::launch_deltanet_step(p, nullptr, false);
       // CPU: as cpu_backend.cpp's deltanet_block for T = 1.
       std::vector<float> conv(C);
@@ -910,20 +921,8 @@ void dn_in_step_matches_two_launches() {
           in.norm_w = dnw.as<float>();
           in.seg = d.H;
           in.eps = 1e-6f;
-          cuda::DeltaNetParams p;
-          p.proj = P;
-          p.conv_ring = ring[v].as<float>();
-          p.conv_w = dconv_w.as<float>();
-          p.state = state[v].as<float>();
-          p.a_log = dalog.as<float>();
-          p.dt_bias = ddt.as<float>();
-          p.out = out[v].as<float>();
-          p.ctrl = ctrl.as<cuda::DecodeCtrl>();
-          p.nk = d.nk;
-          p.nv = d.nv;
-          p.dk = d.dk;
-          p.dv = d.dv;
-          p.K = d.K;
+          const cuda::DeltaNetParams p =
+              dn_params({d.nk, d.nv, d.dk, d.dv, d.K}, P, ring[v], dconv_w, state[v], dalog, ddt, out[v], ctrl);
           ASSERT_TRUE(cuda::matvec_dn_ok(in, p));
           if (v == 0) {
             cuda::launch_matvec(in, nullptr, false);

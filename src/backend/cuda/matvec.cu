@@ -711,6 +711,17 @@ __device__ __forceinline__ int tile_job(const MatvecParams& p, int t, int* base)
   return j;
 }
 
+// tr's row pointers (rows r0 and r0 + 1 of job J; row 0 where not valid).
+template <bool kAffine>
+__device__ __forceinline__ void tile_ptrs(const MatvecParams& p, const MatvecJob& J, TileRows& tr) {
+  tr.out = J.out;
+  const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
+  tr.w0 = J.w + size_t(r0) * p.chunks;
+  tr.w1 = J.w + size_t(rb) * p.chunks;
+  tr.s0 = kAffine ? J.sb + size_t(r0) * p.groups : nullptr;
+  tr.s1 = kAffine ? J.sb + size_t(rb) * p.groups : nullptr;
+}
+
 // Tile t's rows of a warp in two parts: everything the parameters give
 // (tile_rows_pre; for the routed tile of a route launch before
 // griddepcontrol.wait, so the job search is off the path after the routing),
@@ -727,12 +738,7 @@ __device__ __forceinline__ TileRows tile_rows_pre(const MatvecParams& p, int t, 
   tr.r0 = (t - base) * kRowsPerTile + warp * 2;
   tr.valid = tr.r0 < J.rows;
   tr.has_b = tr.r0 + 1 < J.rows;
-  tr.out = J.out;
-  const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
-  tr.w0 = J.w + size_t(r0) * p.chunks;
-  tr.w1 = J.w + size_t(rb) * p.chunks;
-  tr.s0 = kAffine ? J.sb + size_t(r0) * p.groups : nullptr;
-  tr.s1 = kAffine ? J.sb + size_t(rb) * p.groups : nullptr;
+  tile_ptrs<kAffine>(p, J, tr);
   return tr;
 }
 template <bool kAffine>
@@ -797,12 +803,7 @@ __device__ __forceinline__ TileRows dn_tile_rows(const MatvecParams& p, const De
   tr.valid = rp.n > 0;
   tr.has_b = rp.n > 1;
   tr.r0 = rp.row;
-  tr.out = J.out;
-  const int r0 = tr.valid ? tr.r0 : 0, rb = tr.has_b ? tr.r0 + 1 : r0;
-  tr.w0 = J.w + size_t(r0) * p.chunks;
-  tr.w1 = J.w + size_t(rb) * p.chunks;
-  tr.s0 = kAffine ? J.sb + size_t(r0) * p.groups : nullptr;
-  tr.s1 = kAffine ? J.sb + size_t(rb) * p.groups : nullptr;
+  tile_ptrs<kAffine>(p, J, tr);
   return tr;
 }
 // Shared memory past the matvec's (floats, from a 16-byte boundary): the
@@ -1585,58 +1586,68 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
 }
 
-template <QFmt F, bool Route>
-void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
+// Whether a launch stages its input in one pass (stage_fast): where the
+// shape and alignment allow it, unless LILY_CUDA_FAST_STAGE=0 (an A/B
+// switch); nthr staging threads.
+template <QFmt F>
+bool use_fast_stage(const MatvecParams& p, int nthr) {
+  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                       (!p.gate_z || reinterpret_cast<uintptr_t>(p.gate_z) % 16 == 0) &&
+                       (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
+  return env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
+         fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
+}
+// One kernel family's instantiation for a launch: K::get<F, Fast, XB>() the
+// kernel; integer inputs (act_bits) for q4 with the one-pass staging only.
+// Big shared memory is allowed on all of the family's instantiations once.
+template <QFmt F, class K>
+auto pick_kernel(bool fast, int act_bits) {
   static bool init = [] {
-    allow_big_smem(matvec_kernel<F, Route, false>);
-    allow_big_smem(matvec_kernel<F, Route, true>);
-    allow_big_smem(matvec_kernel_3<F, Route>);
+    allow_big_smem(K::template get<F, false, 0>());
+    allow_big_smem(K::template get<F, true, 0>());
     if constexpr (F == QFmt::Q4) {
-      allow_big_smem(matvec_kernel<F, Route, true, 8>);
-      allow_big_smem(matvec_kernel<F, Route, true, 16>);
+      allow_big_smem(K::template get<F, true, 8>());
+      allow_big_smem(K::template get<F, true, 16>());
     }
     return true;
   }();
   (void)init;
-  // The one-pass staging where the shape allows it (and unless
-  // LILY_CUDA_FAST_STAGE=0, an A/B switch).
-  const int nthr = Route ? kMatvecThreads - 32 : kMatvecThreads;
-  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                       (!p.gate_z || reinterpret_cast<uintptr_t>(p.gate_z) % 16 == 0) &&
-                       (p.pro == Prologue::None || reinterpret_cast<uintptr_t>(p.norm_w) % 16 == 0);
-  const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
-                    fast_stage_ok(p.cols, p.chunks * (floats_per_chunk(F) / 4), p.seg, p.pro, nthr);
-  // Integer inputs (act_bits): q4 with the one-pass staging only.
-  const int xb = F == QFmt::Q4 && fast ? p.act_bits : 0;
+  if constexpr (F == QFmt::Q4) {
+    if (fast && act_bits == 8) return K::template get<F, true, 8>();
+    if (fast && act_bits == 16) return K::template get<F, true, 16>();
+  }
+  return fast ? K::template get<F, true, 0>() : K::template get<F, false, 0>();
+}
+template <bool Route>
+struct PlainKernels {
+  template <QFmt F, bool Fast, int XB>
+  static auto get() { return matvec_kernel<F, Route, Fast, XB>; }
+};
+struct FoldKernels {
+  template <QFmt F, bool Fast, int XB>
+  static auto get() { return matvec_fold_kernel<F, Fast, XB>; }
+};
+struct DnKernels {
+  template <QFmt F, bool Fast, int XB>
+  static auto get() { return matvec_dn_kernel<F, Fast, XB>; }
+};
+
+template <QFmt F, bool Route>
+void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  const bool fast = use_fast_stage<F>(p, Route ? kMatvecThreads - 32 : kMatvecThreads);
   if constexpr (!Route) {
-    if (p.fold.acc) {
-      static bool init_fold = [] {
-        allow_big_smem(matvec_fold_kernel<F, false>);
-        allow_big_smem(matvec_fold_kernel<F, true>);
-        if constexpr (F == QFmt::Q4) {
-          allow_big_smem(matvec_fold_kernel<F, true, 8>);
-          allow_big_smem(matvec_fold_kernel<F, true, 16>);
-        }
-        return true;
-      }();
-      (void)init_fold;
-      if constexpr (F == QFmt::Q4) {
-        if (xb == 8) return launch_matvec_k(matvec_fold_kernel<F, true, 8>, F, p, s, pdl);
-        if (xb == 16) return launch_matvec_k(matvec_fold_kernel<F, true, 16>, F, p, s, pdl);
-      }
-      if (fast) launch_matvec_k(matvec_fold_kernel<F, true>, F, p, s, pdl);
-      else launch_matvec_k(matvec_fold_kernel<F, false>, F, p, s, pdl);
-      return;
-    }
+    if (p.fold.acc) return launch_matvec_k(pick_kernel<F, FoldKernels>(fast, p.act_bits), F, p, s, pdl);
   }
   // (So LILY_CUDA_MV_MINBLOCKS=3 applies to f32 inputs only.)
-  if constexpr (F == QFmt::Q4) {
-    if (xb == 8) return launch_matvec_k(matvec_kernel<F, Route, true, 8>, F, p, s, pdl);
-    if (xb == 16) return launch_matvec_k(matvec_kernel<F, Route, true, 16>, F, p, s, pdl);
+  if (matvec_min_blocks() == 3 && !(F == QFmt::Q4 && fast && p.act_bits != 0)) {
+    static bool init3 = [] {
+      allow_big_smem(matvec_kernel_3<F, Route>);
+      return true;
+    }();
+    (void)init3;
+    return launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
   }
-  if (matvec_min_blocks() == 3) launch_matvec_k(matvec_kernel_3<F, Route>, F, p, s, pdl);
-  else if (fast) launch_matvec_k(matvec_kernel<F, Route, true>, F, p, s, pdl);
-  else launch_matvec_k(matvec_kernel<F, Route, false>, F, p, s, pdl);
+  launch_matvec_k(pick_kernel<F, PlainKernels<Route>>(fast, p.act_bits), F, p, s, pdl);
 }
 template <QFmt F>
 void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
@@ -1790,26 +1801,8 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
 namespace {
 template <QFmt F>
 void launch_matvec_dn_t(const MatvecDnParams& p, cudaStream_t s, bool pdl) {
-  static bool init = [] {
-    allow_big_smem(matvec_dn_kernel<F, false>);
-    allow_big_smem(matvec_dn_kernel<F, true>);
-    if constexpr (F == QFmt::Q4) {
-      allow_big_smem(matvec_dn_kernel<F, true, 8>);
-      allow_big_smem(matvec_dn_kernel<F, true, 16>);
-    }
-    return true;
-  }();
-  (void)init;
   const MatvecParams& m = p.mv;
-  const bool aligned = reinterpret_cast<uintptr_t>(m.x) % 16 == 0 && reinterpret_cast<uintptr_t>(m.norm_w) % 16 == 0;
-  const bool fast = env_switch("LILY_CUDA_FAST_STAGE", 1) && aligned &&
-                    fast_stage_ok(m.cols, m.chunks * (floats_per_chunk(F) / 4), m.seg, m.pro, kMatvecThreads);
-  const int xb = F == QFmt::Q4 && fast ? m.act_bits : 0;
-  auto kernel = fast ? matvec_dn_kernel<F, true> : matvec_dn_kernel<F, false>;
-  if constexpr (F == QFmt::Q4) {
-    if (xb == 8) kernel = matvec_dn_kernel<F, true, 8>;
-    if (xb == 16) kernel = matvec_dn_kernel<F, true, 16>;
-  }
+  const auto kernel = pick_kernel<F, DnKernels>(use_fast_stage<F>(m, kMatvecThreads), m.act_bits);
   const int nseg = m.pro == Prologue::None ? 0 : m.cols / m.seg;
   const DnSmem l = dn_smem_layout(p.dn, matvec_smem_layout(m.chunks, floats_per_chunk(F), m.cols, nseg).total);
   // Blocks per cluster: the step blocks, or twice as many (up to 16, a
@@ -1818,21 +1811,7 @@ void launch_matvec_dn_t(const MatvecDnParams& p, cudaStream_t s, bool pdl) {
   const int sb = dn_step_blocks(p.dn);
   int cs = sb;
   if (const char* e = std::getenv("LILY_CUDA_DN_CLUSTER"); !(e && std::string(e) == "1") && 2 * sb <= 16) cs = 2 * sb;
-  if (cs > 8) {
-    static bool np = [] {
-      auto allow = [](auto k) {
-        LILY_CUDA(cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      };
-      allow(matvec_dn_kernel<F, false>);
-      allow(matvec_dn_kernel<F, true>);
-      if constexpr (F == QFmt::Q4) {
-        allow(matvec_dn_kernel<F, true, 8>);
-        allow(matvec_dn_kernel<F, true, 16>);
-      }
-      return true;
-    }();
-    (void)np;
-  }
+  if (cs > 8) LILY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   MatvecDnParams q = p;
   q.cluster = cs;
   q.mv.balanced = 1;
