@@ -550,9 +550,12 @@ struct CudaBackend::Impl {
         // The step in the in_proj's launch where the jobs share one layout
         // and the shapes fit (launch_matvec_dn); else two launches.
         MatvecParams in_one = in;
-        const auto in_groups = layout_groups(in_jobs);
-        const double in_bytes = in_groups.size() == 1 ? group_params(in_one, in_groups[0]) : 0.0;
-        const bool dn_in = opt.dn_in_step && in_groups.size() == 1 && matvec_dn_ok(in_one, d);
+        double in_bytes = 0;
+        bool dn_in = false;
+        if (const auto in_groups = layout_groups(in_jobs); opt.dn_in_step && in_groups.size() == 1) {
+          in_bytes = group_params(in_one, in_groups[0]);
+          dn_in = matvec_dn_ok(in_one, d);
+        }
         if (dn_in) {
           steps.push_back({"deltanet.in_proj+step", in_bytes + state_bytes, 0,
                            [in_one, d](cudaStream_t s, bool pdl) { launch_matvec_dn(in_one, d, s, pdl); }});

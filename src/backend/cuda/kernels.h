@@ -268,12 +268,12 @@ struct DeltaNetParams {
 void launch_deltanet_step(const DeltaNetParams& p, cudaStream_t s, bool pdl);
 
 // The in_proj (q|k|v, z, b, a: four jobs storing into d.proj) with the
-// DeltaNet step in the same launch: clusters of (value heads per key head) x
-// dv / 32 blocks, one per key head, each computing its key head's rows and
-// then running the step on them after the cluster barrier (matvec.cu). The
-// step's results equal deltanet_step's bit for bit. matvec_dn_ok: whether the
-// shapes allow it (dk and the rows per key head multiples of 16, at most 8
-// blocks per cluster, dk <= 128, the outputs where the step reads them).
+// DeltaNet step in the same launch: one cluster per key head computes the
+// key head's rows, then its first blocks run the step on them after the
+// cluster barrier (matvec.cu; the row map below). The step's results equal
+// deltanet_step's bit for bit. matvec_dn_ok: whether the shapes allow it
+// (dk and the rows per key head multiples of 16, at most 8 step blocks per
+// key head, dk <= 128, the outputs where the step reads them).
 struct MatvecDnParams {
   MatvecParams mv;
   DeltaNetParams dn;
