@@ -810,13 +810,12 @@ __device__ __forceinline__ TileRows dn_tile_rows(const MatvecParams& p, const De
 // step block's state slice [dk][32], its channels' conv taps and ring
 // slots [2 dk + 32][K] each, then a_log and dt_bias of its head.
 struct DnSmem {
-  int base, state, taps, ring, consts, total;
+  int state, taps, ring, consts, total;
 };
 __host__ __device__ inline DnSmem dn_smem_layout(const DeltaNetParams& d, int matvec_floats) {
   const int nch = 2 * d.dk + kDnCols;
   DnSmem l;
-  l.base = (matvec_floats + 3) & ~3;
-  l.state = l.base;
+  l.state = (matvec_floats + 3) & ~3;
   l.taps = l.state + d.dk * kDnCols;
   l.ring = l.taps + nch * d.K;
   l.consts = l.ring + nch * d.K;
@@ -1813,9 +1812,7 @@ void launch_matvec_dn_t(const MatvecDnParams& p, cudaStream_t s, bool pdl) {
   if (const char* e = std::getenv("LILY_CUDA_DN_CLUSTER"); !(e && std::string(e) == "1") && 2 * sb <= 16) cs = 2 * sb;
   if (cs > 8) LILY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   MatvecDnParams q = p;
-  q.cluster = cs;
-  q.mv.balanced = 1;
-  q.mv.l2_prefetch = 0;
+  q.cluster = cs;  // (the tile split is the row map's: mv.balanced and mv.l2_prefetch are not read)
   q.mv.trace = next_trace();
   launch_kernel_ex("matvec_dn", kernel, dim3(p.dn.nk * cs), dim3(kMatvecThreads), size_t(l.total) * 4, s, pdl, cs, q);
 }
