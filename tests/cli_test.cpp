@@ -10,6 +10,7 @@
 #include <string>
 #include <sys/wait.h>
 
+#include "backend/cuda/cuda_backend.h"
 #include "checkpoint_util.h"
 #include "fixture_util.h"
 
@@ -98,6 +99,15 @@ TEST(Cli, ErrorsAreOneLineWithNonZeroExit) {
   expect_one_line_error(run_lily("logits" + m + " --tokens 1 --kv-cache q4"), "KV cache type 'q4'");
   expect_one_line_error(run_lily("logits" + m + " --tokens 1 --backend cpu --kv-cache q8"),
                         "the cpu backend keeps an f32 KV cache");
+}
+
+// --backend cuda where lily cannot run on a GPU (none, or a generation the
+// build has no kernels for; CI: none) is refused with the reason, in one line.
+TEST(Cli, CudaBackendWithoutAUsableGpuIsRefusedWithTheReason) {
+  if (cuda_device_available()) GTEST_SKIP() << "a usable GPU is present";
+  const std::string why = cuda_unavailable_reason();
+  ASSERT_FALSE(why.empty());
+  expect_one_line_error(run_lily("logits --model " + test::fixture_dir("qwen3") + " --tokens 1 --backend cuda"), why);
 }
 
 // --kv-cache f32 is the cpu backend's own type; q8 under --backend auto

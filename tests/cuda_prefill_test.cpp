@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backend/cpu/kernels.h"
+#include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/prefill.h"
 #include "core/error.h"
 #include "core/half.h"
@@ -28,12 +29,8 @@
 namespace lily::cuda {
 namespace {
 
-bool gpu_available() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 #define REQUIRE_GPU() \
-  if (!gpu_available()) GTEST_SKIP() << "no CUDA device"
+  if (!::lily::cuda_device_available()) GTEST_SKIP() << ::lily::cuda_unavailable_reason()
 
 void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess)

@@ -15,7 +15,7 @@
 #include "model/weights.h"
 
 #define LILY_SKIP_WITHOUT_GPU() \
-  if (!::lily::cuda_device_available()) GTEST_SKIP() << "no CUDA device present"
+  if (!::lily::cuda_device_available()) GTEST_SKIP() << ::lily::cuda_unavailable_reason()
 
 namespace lily::test {
 

@@ -1,5 +1,7 @@
 #include "backend/backend.h"
 
+#include <cstdio>
+
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
@@ -7,14 +9,30 @@
 namespace lily {
 
 #ifndef LILY_HAVE_CUDA
+std::string cuda_unavailable_reason() { return "lily was built without CUDA (nvcc not found)"; }
 bool cuda_device_available() { return false; }
 #endif
 
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
+namespace {
+// "auto" settles on cpu without a word when there is no GPU at all; a GPU
+// that is there but unusable is worth one line (the user may expect it).
+std::string resolve_auto() {
+  const std::string kind = default_backend_kind();
+#ifdef LILY_HAVE_CUDA
+  if (kind == "cpu") {
+    const std::string why = cuda_unavailable_reason();
+    if (why.rfind("no CUDA device", 0) != 0) std::fprintf(stderr, "lily: using the cpu backend: %s\n", why.c_str());
+  }
+#endif
+  return kind;
+}
+}  // namespace
+
 std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
                                       const BackendOptions& options) {
-  const std::string kind = options.kind == "auto" ? default_backend_kind() : options.kind;
+  const std::string kind = options.kind == "auto" ? resolve_auto() : options.kind;
   const std::string& kv = options.kv_cache;
   cuda::KvType kv_type = cuda::KvType::BF16;
   if (!kv.empty() && !cuda::parse_kv_type(kv, kv_type))
@@ -30,7 +48,7 @@ std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
     if (!kv.empty()) o.kv = kv_type;
     return cuda::make_cuda_backend(std::move(weights), o);
 #else
-    fail("backend 'cuda' is not available: lily was built without CUDA (nvcc not found)");
+    fail("backend 'cuda' is not available: ", cuda_unavailable_reason());
 #endif
   }
   fail("unknown backend '", options.kind, "' (available: cpu, cuda, auto)");

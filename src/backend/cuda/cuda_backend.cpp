@@ -28,14 +28,38 @@
 
 namespace lily {
 
-bool cuda_device_available() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
+std::string cuda_unavailable_reason() {
+  // Asked once: the answer does not change while the process runs, and the
+  // runtime's first call (driver initialisation) is slow.
+  static const std::string reason = [] {
+    int n = 0;
+    if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess) {
+      cudaGetLastError();
+      // (Also what a machine without any NVIDIA driver reports.)
+      if (e == cudaErrorInsufficientDriver)
+        return "no CUDA device is available (no NVIDIA driver, or one older than this build's CUDA " +
+               std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10) + " runtime)";
+      return std::string("no CUDA device is available (") + cudaGetErrorString(e) + ")";
+    }
+    if (n <= 0) return std::string("no CUDA device is available");
+    int dev = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return std::string("the CUDA device's properties cannot be read");
+    }
+    if (const cudaError_t e = cuda::kernel_image_status(); e != cudaSuccess) {
+      return "GPU " + std::to_string(dev) + " (" + prop.name + ", compute capability " +
+             std::to_string(prop.major) + "." + std::to_string(prop.minor) +
+             ") cannot run this build's kernels, which are compiled for Hopper (sm_90a, compute capability 9.0) (" +
+             cudaGetErrorString(e) + ")";
+    }
+    return std::string();
+  }();
+  return reason;
 }
+
+bool cuda_device_available() { return cuda_unavailable_reason().empty(); }
 
 namespace cuda {
 
@@ -1218,7 +1242,7 @@ struct CudaBackend::Impl {
 
 CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOptions& options)
     : impl_(std::make_unique<Impl>()) {
-  if (!cuda_device_available()) fail("cuda backend: no CUDA device is available");
+  if (const std::string why = cuda_unavailable_reason(); !why.empty()) fail("cuda backend: ", why);
   Impl& m = *impl_;
   m.c = weights->config;
   m.opt = options;

@@ -16,9 +16,14 @@
 
 namespace lily {
 
-// True when lily was built with CUDA and a CUDA device is visible.
+// True when lily was built with CUDA and the current CUDA device can run its
+// kernels (a GPU of another generation than the build's is not available).
 bool cuda_device_available();
-// "cuda" when a GPU is present, else "cpu" (make_backend accepts "auto").
+// Why not (empty when it is): no CUDA in the build, no device, or a device
+// the kernels were not compiled for, named with its compute capability.
+std::string cuda_unavailable_reason();
+// "cuda" when a GPU lily can run on is present, else "cpu" (make_backend
+// accepts "auto").
 // Defined in backend.cpp; belongs in backend.h once that header takes it.
 std::string default_backend_kind();
 

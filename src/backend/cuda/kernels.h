@@ -387,6 +387,11 @@ struct EmbedParams {
 };
 void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl);
 
+// cudaSuccess when this build's kernels can run on the current device, else
+// the error a launch would meet (cudaErrorNoKernelImageForDevice on a GPU
+// the build has no code for: the kernels are compiled for sm_90a only).
+cudaError_t kernel_image_status();
+
 // An empty kernel (launch-overhead measurements).
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl);
 // One launch of the hand-over probe chain (bench): y from x (2048 floats,

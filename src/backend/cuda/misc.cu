@@ -451,6 +451,13 @@ void launch_embed(const EmbedParams& p, cudaStream_t s, bool pdl) {
   }
 }
 
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes a;
+  const cudaError_t e = cudaFuncGetAttributes(&a, embed_kernel<QFmt::F32>);
+  if (e != cudaSuccess) cudaGetLastError();  // not sticky: clear it for the caller
+  return e;
+}
+
 void launch_embed_rows(const DevMatView& m, const int* tokens, int T, float* x, size_t ldx,
                        cudaStream_t s) {
   if (T <= 0) return;
