@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -49,9 +50,14 @@ class DeviceBuffer {
     if (bytes == 0) return;
     void* p = nullptr;
     cudaError_t e = cudaMalloc(&p, bytes);
-    if (e != cudaSuccess)
-      fail("cudaMalloc of ", bytes, " bytes failed: ", cudaGetErrorName(e), ": ",
-           cudaGetErrorString(e));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      size_t free_b = 0, total_b = 0;
+      const bool known = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
+      auto mib = [](size_t b) { return std::to_string((b + (1u << 20) - 1) >> 20) + " MiB"; };
+      fail("cudaMalloc of ", bytes, " bytes (", mib(bytes), ") failed: ", cudaGetErrorName(e), ": ",
+           cudaGetErrorString(e), known ? " (the GPU has " + mib(free_b) + " free of " + mib(total_b) + ")" : "");
+    }
     p_ = p;
     n_ = bytes;
   }
