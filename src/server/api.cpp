@@ -51,14 +51,15 @@ const ojson* field(const ojson& obj, const char* key) {
   return &*it;
 }
 
-std::optional<double> get_number(const ojson& obj, const char* key, double lo, double hi) {
+// lo_open: lo itself is out of range too.
+std::optional<double> get_number(const ojson& obj, const char* key, double lo, double hi, bool lo_open = false) {
   const ojson* v = field(obj, key);
   if (!v) return std::nullopt;
   if (!v->is_number()) throw invalid_type(key, "a number", *v);
   double d = v->get<double>();
-  if (!std::isfinite(d) || d < lo || d > hi)
-    throw invalid_value(
-        key, str_cat("expected a value in [", lo, ", ", hi, "], but got ", v->dump(), "."));
+  if (!std::isfinite(d) || d < lo || (lo_open && d == lo) || d > hi)
+    throw invalid_value(key, str_cat("expected a value in ", lo_open ? "(" : "[", lo, ", ", hi, "], but got ",
+                                     v->dump(), "."));
   return d;
 }
 
@@ -123,10 +124,7 @@ void parse_common(const ojson& body, const engine::SamplingParams& defaults, con
   engine::SamplingParams& s = c.sampling;
   s = defaults;
   if (auto v = get_number(body, "temperature", 0, 2)) s.temperature = static_cast<float>(*v);
-  if (auto v = get_number(body, "top_p", 0, 1)) {
-    if (*v <= 0) throw invalid_value("top_p", "expected a value in (0, 1], but got 0.");
-    s.top_p = static_cast<float>(*v);
-  }
+  if (auto v = get_number(body, "top_p", 0, 1, true)) s.top_p = static_cast<float>(*v);
   if (auto v = get_integer(body, "top_k", -1, std::numeric_limits<int>::max()))
     s.top_k = *v < 0 ? 0 : static_cast<int>(*v);
   if (auto v = get_number(body, "min_p", 0, 1)) s.min_p = static_cast<float>(*v);
