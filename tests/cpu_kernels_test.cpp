@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -71,31 +72,117 @@ void naive_matmul(const std::vector<float>& w, int rows, int cols, const std::ve
     }
 }
 
-class AffineMatmul : public ::testing::TestWithParam<std::tuple<int, int, int, int>> {};
+// Both matmul paths (the SIMD one where the CPU has it, and the portable
+// one) against the double-precision product of the dequantized weights.
+struct SimdScope {
+  explicit SimdScope(bool on) { cpu::set_matmul_simd(on); }
+  ~SimdScope() { cpu::set_matmul_simd(true); }
+};
+std::vector<bool> matmul_paths() {
+  std::vector<bool> paths{false};
+  cpu::set_matmul_simd(true);
+  if (cpu::matmul_simd_active()) paths.push_back(true);
+  return paths;
+}
+
+class AffineMatmul : public ::testing::TestWithParam<std::tuple<int, int, int, int, int>> {};
 
 TEST_P(AffineMatmul, MatchesDequantizedReference) {
-  auto [bits, rows, cols, T] = GetParam();
-  AffineMatrix a(rows, cols, bits, 64, 7u + bits + rows);
+  auto [bits, rows, cols, T, group] = GetParam();
+  AffineMatrix a(rows, cols, bits, group, 7u + bits + rows);
   std::vector<float> row(cols);
   for (int r = 0; r < rows; ++r) {
     cpu::dequantize_row(a.m, r, row.data());
     for (int c = 0; c < cols; ++c) ASSERT_EQ(row[c], a.dense[size_t(r) * cols + c]) << r << "," << c;
   }
   ThreadPool pool(3);
+  // Inputs with a mean (as after a SiLU), so the group sums are not small.
   auto x = random_floats(size_t(T) * cols, 11);
-  std::vector<float> y(size_t(T) * rows);
-  cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows);
+  for (auto& v : x) v += 0.5f;
   std::vector<double> want;
   naive_matmul(a.dense, rows, cols, x, T, want);
-  for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+  for (bool simd : matmul_paths()) {
+    SimdScope scope(simd);
+    std::vector<float> y(size_t(T) * rows);
+    cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows);
+    for (size_t i = 0; i < y.size(); ++i)
+      ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "simd " << simd << " at " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AffineMatmul,
-                         ::testing::Values(std::make_tuple(4, 37, 192, 1), std::make_tuple(4, 5, 64, 3),
-                                           std::make_tuple(8, 29, 320, 2), std::make_tuple(8, 1, 128, 5)));
+                         ::testing::Values(std::make_tuple(4, 37, 192, 1, 64), std::make_tuple(4, 5, 64, 3, 64),
+                                           std::make_tuple(8, 29, 320, 2, 64), std::make_tuple(8, 1, 128, 5, 64),
+                                           std::make_tuple(4, 23, 96, 9, 32), std::make_tuple(4, 11, 384, 4, 128),
+                                           std::make_tuple(8, 13, 256, 7, 128), std::make_tuple(4, 3, 48, 2, 16),
+                                           std::make_tuple(4, 9, 40, 6, 8)));
 
-TEST(Matmul, Bf16AndF16MatchReference) {
-  const int rows = 41, cols = 77, T = 4;
+// The SIMD path's row results do not depend on the number of threads, and
+// it reads weights at any byte offset (tensors in a file need no alignment).
+TEST(Matmul, SameBitsForAnyThreadCountAndAlignment) {
+  const int rows = 70, cols = 136, T = 6;
+  AffineMatrix a(rows, cols, 4, 8, 99);
+  auto x = random_floats(size_t(T) * cols, 12);
+  ThreadPool one(1), three(3);
+  std::vector<float> y1(size_t(T) * rows), y3(y1.size());
+  cpu::matmul(one, a.m, x.data(), T, cols, y1.data(), rows);
+  cpu::matmul(three, a.m, x.data(), T, cols, y3.data(), rows);
+  EXPECT_EQ(y1, y3);
+  // bf16 weights one byte past an aligned address.
+  auto wf = random_floats(size_t(rows) * cols, 4, 0.2f);
+  std::vector<uint8_t> buf(wf.size() * 2 + 1);
+  std::vector<float> dense(wf.size());
+  for (size_t i = 0; i < wf.size(); ++i) {
+    const uint16_t b = f32_to_bf16(wf[i]);
+    std::memcpy(buf.data() + 1 + 2 * i, &b, 2);
+    dense[i] = bf16_to_f32(b);
+  }
+  Matrix m;
+  m.format = WeightFormat::BF16;
+  m.rows = rows;
+  m.cols = cols;
+  m.data = buf.data() + 1;
+  std::vector<double> want;
+  naive_matmul(dense, rows, cols, x, T, want);
+  for (bool simd : matmul_paths()) {
+    SimdScope scope(simd);
+    cpu::matmul(three, m, x.data(), T, cols, y3.data(), rows);
+    for (size_t i = 0; i < y3.size(); ++i) ASSERT_NEAR(y3[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << i;
+  }
+}
+
+// Several matmuls in one loop give the bits of one call each, on both paths,
+// with jobs of other formats, input counts (one none) and output strides.
+TEST(Matmul, ManyJobsGiveTheBitsOfOneCallEach) {
+  AffineMatrix a(37, 192, 4, 64, 5), b(19, 128, 8, 32, 6), c(8, 64, 4, 16, 7);
+  auto wf = random_floats(size_t(23) * 77, 8, 0.2f);
+  Matrix f;
+  f.format = WeightFormat::F32;
+  f.rows = 23;
+  f.cols = 77;
+  f.data = reinterpret_cast<const uint8_t*>(wf.data());
+  auto x = random_floats(size_t(5) * 200, 9);
+  const Matrix* ms[] = {&a.m, &b.m, &f, &c.m};
+  const int Ts[] = {3, 1, 5, 0};
+  ThreadPool pool(3);
+  for (bool simd : matmul_paths()) {
+    SimdScope scope(simd);
+    std::vector<std::vector<float>> one(4), many(4);
+    std::vector<cpu::MatmulJob> jobs;
+    for (int j = 0; j < 4; ++j) {
+      const size_t ys = ms[j]->rows + 3;  // a padded output stride
+      one[j].assign(std::max(1, Ts[j]) * ys, -1.f);
+      many[j] = one[j];
+      if (Ts[j] > 0) cpu::matmul(pool, *ms[j], x.data(), Ts[j], 200, one[j].data(), ys);
+      jobs.push_back({ms[j], x.data(), Ts[j], 200, many[j].data(), ys});
+    }
+    cpu::matmul_many(pool, jobs);
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j << " simd " << simd;
+  }
+}
+
+TEST(Matmul, Bf16F16AndF32MatchReference) {
+  const int rows = 41, cols = 77;
   auto wf = random_floats(size_t(rows) * cols, 3, 0.2f);
   std::vector<uint16_t> wb(wf.size()), wh(wf.size());
   std::vector<float> dense_b(wf.size()), dense_h(wf.size());
@@ -113,18 +200,26 @@ TEST(Matmul, Bf16AndF16MatchReference) {
     dense_h[i] = f16_to_f32(h);
   }
   ThreadPool pool(2);
-  auto x = random_floats(size_t(T) * cols, 5);
-  for (int pass = 0; pass < 2; ++pass) {
-    Matrix m;
-    m.format = pass == 0 ? WeightFormat::BF16 : WeightFormat::F16;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = reinterpret_cast<const uint8_t*>(pass == 0 ? wb.data() : wh.data());
-    std::vector<float> y(size_t(T) * rows);
-    cpu::matmul(pool, m, x.data(), T, cols, y.data(), rows);
-    std::vector<double> want;
-    naive_matmul(pass == 0 ? dense_b : dense_h, rows, cols, x, T, want);
-    for (size_t i = 0; i < y.size(); ++i) EXPECT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+  for (int T : {1, 2, 4, 5}) {
+    auto x = random_floats(size_t(T) * cols, 5 + T);
+    for (int pass = 0; pass < 3; ++pass) {
+      Matrix m;
+      m.format = pass == 0 ? WeightFormat::BF16 : pass == 1 ? WeightFormat::F16 : WeightFormat::F32;
+      m.rows = rows;
+      m.cols = cols;
+      m.data = pass == 0   ? reinterpret_cast<const uint8_t*>(wb.data())
+               : pass == 1 ? reinterpret_cast<const uint8_t*>(wh.data())
+                           : reinterpret_cast<const uint8_t*>(wf.data());
+      std::vector<double> want;
+      naive_matmul(pass == 0 ? dense_b : pass == 1 ? dense_h : wf, rows, cols, x, T, want);
+      for (bool simd : matmul_paths()) {
+        SimdScope scope(simd);
+        std::vector<float> y(size_t(T) * rows);
+        cpu::matmul(pool, m, x.data(), T, cols, y.data(), rows);
+        for (size_t i = 0; i < y.size(); ++i)
+          ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "pass " << pass << " simd " << simd << " T " << T;
+      }
+    }
   }
 }
 

@@ -18,6 +18,29 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spins until done() or kSpin has passed; returns done().
+template <class Done>
+bool spin_until(Done done, std::chrono::microseconds limit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    if (done()) return true;
+    cpu_relax();
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() - t0 > limit) return done();
+  }
+}
+
+}  // namespace
+
 void ThreadPool::run_ranges() {
   for (;;) {
     size_t begin;
@@ -31,7 +54,7 @@ void ThreadPool::run_ranges() {
     (*job_)(begin, end);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
+      if (pending_.fetch_sub(1) == 1) done_cv_.notify_all();
     }
   }
 }
@@ -39,11 +62,12 @@ void ThreadPool::run_ranges() {
 void ThreadPool::worker_loop() {
   size_t seen = 0;
   for (;;) {
+    spin_until([&] { return stop_.load() || generation_.load() != seen; }, kSpin);
     {
       std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      start_cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load();
     }
     run_ranges();
   }
@@ -68,12 +92,16 @@ void ThreadPool::parallel_for(size_t n, size_t min_grain,
     job_chunk_ = chunk;
     next_ = 0;
     pending_ = (n + chunk - 1) / chunk;
-    ++generation_;
+    generation_.fetch_add(1);
   }
   start_cv_.notify_all();
   run_ranges();
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  // (pending_ reaches 0 after the last range's writes: seq_cst atomics.)
+  if (!spin_until([&] { return pending_.load() == 0; }, kSpin)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_.load() == 0; });
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   job_ = nullptr;
 }
 

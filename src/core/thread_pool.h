@@ -1,8 +1,13 @@
 // A fixed pool of worker threads for data-parallel loops. parallel_for splits
 // [0, n) into contiguous ranges; the calling thread takes part, and the call
-// returns when every range is done.
+// returns when every range is done. Between loops the workers spin for a
+// short while (kSpin) before they sleep, and so does the caller waiting for
+// the last range: a decode step runs hundreds of short loops back to back,
+// and a sleeping thread takes tens of microseconds to wake.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
@@ -34,9 +39,11 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable start_cv_, done_cv_;
   const std::function<void(size_t, size_t)>* job_ = nullptr;
-  size_t job_n_ = 0, job_chunk_ = 0, next_ = 0, pending_ = 0;
-  size_t generation_ = 0;
-  bool stop_ = false;
+  size_t job_n_ = 0, job_chunk_ = 0, next_ = 0;  // under mu_
+  // Written under mu_; read without it while spinning.
+  std::atomic<size_t> pending_{0}, generation_{0};
+  std::atomic<bool> stop_{false};
+  static constexpr std::chrono::microseconds kSpin{200};
   std::mutex call_mu_;  // one parallel_for at a time
 };
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <span>
 #include <vector>
 
 #include "backend/cpu/attention.h"
@@ -113,9 +114,10 @@ class CpuBackend final : public Backend {
     const int q_dim = nh * q_head, kv_dim = nkv * hd;
     std::vector<float> q(static_cast<size_t>(T) * q_dim), k(static_cast<size_t>(T) * kv_dim),
         v(k.size()), o(static_cast<size_t>(T) * nh * hd);
-    matmul(pool_, A.q, xn, T, H, q.data(), q_dim);
-    matmul(pool_, A.k, xn, T, H, k.data(), kv_dim);
-    matmul(pool_, A.v, xn, T, H, v.data(), kv_dim);
+    const cpu::MatmulJob qkv[] = {{&A.q, xn, T, size_t(H), q.data(), size_t(q_dim)},
+                                  {&A.k, xn, T, size_t(H), k.data(), size_t(kv_dim)},
+                                  {&A.v, xn, T, size_t(H), v.data(), size_t(kv_dim)}};
+    cpu::matmul_many(pool_, qkv);
     for (int t = 0; t < T; ++t) {
       const int pos = n_past + t;
       for (int h = 0; h < nh; ++h) {
@@ -152,10 +154,11 @@ class CpuBackend final : public Backend {
     const int vdim = nv * dv;
     std::vector<float> qkv(static_cast<size_t>(T) * C), z(static_cast<size_t>(T) * vdim),
         b(static_cast<size_t>(T) * nv), a(b.size()), o(z.size());
-    matmul(pool_, D.in_qkv, xn, T, H, qkv.data(), C);
-    matmul(pool_, D.in_z, xn, T, H, z.data(), vdim);
-    matmul(pool_, D.in_b, xn, T, H, b.data(), nv);
-    matmul(pool_, D.in_a, xn, T, H, a.data(), nv);
+    const cpu::MatmulJob in[] = {{&D.in_qkv, xn, T, size_t(H), qkv.data(), size_t(C)},
+                                 {&D.in_z, xn, T, size_t(H), z.data(), size_t(vdim)},
+                                 {&D.in_b, xn, T, size_t(H), b.data(), size_t(nv)},
+                                 {&D.in_a, xn, T, size_t(H), a.data(), size_t(nv)}};
+    cpu::matmul_many(pool_, in);
 
     cpu::deltanet_layer(pool_, {T, nk, nv, dk, dv, K, qkv.data(), a.data(), b.data(), D.conv.data(),
                                 D.a_log.data(), D.dt_bias.data(), cache.conv.data(), cache.state.data(),
@@ -174,12 +177,37 @@ class CpuBackend final : public Backend {
 
   // down(silu(gate(x)) * up(x)) for T rows.
   void swiglu(const MlpWeights& m, const float* x, int T, float* out) {
-    const int H = c_.hidden_size, I = m.gate.rows;
-    std::vector<float> g(static_cast<size_t>(T) * I), u(g.size());
-    matmul(pool_, m.gate, x, T, H, g.data(), I);
-    matmul(pool_, m.up, x, T, H, u.data(), I);
-    for (size_t i = 0; i < g.size(); ++i) g[i] = cpu::silu(g[i]) * u[i];
-    matmul(pool_, m.down, g.data(), T, I, out, H);
+    const MlpWeights* mlp[] = {&m};
+    const float* xs[] = {x};
+    const int Ts[] = {T};
+    float* outs[] = {out};
+    swiglu_many(mlp, xs, Ts, outs);
+  }
+
+  // Several SwiGLU MLPs (the routed experts of a layer, the shared one) with
+  // their gate and up projections in one parallel loop and their down
+  // projections in another; mlp i maps Ts[i] rows of xs[i] to outs[i].
+  void swiglu_many(std::span<const MlpWeights* const> mlp, std::span<const float* const> xs,
+                   std::span<const int> Ts, std::span<float* const> outs) {
+    const int H = c_.hidden_size;
+    const size_t n = mlp.size();
+    std::vector<std::vector<float>> g(n), u(n);
+    std::vector<cpu::MatmulJob> jobs;
+    jobs.reserve(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      const int I = mlp[i]->gate.rows;
+      g[i].resize(static_cast<size_t>(Ts[i]) * I);
+      u[i].resize(g[i].size());
+      jobs.push_back({&mlp[i]->gate, xs[i], Ts[i], size_t(H), g[i].data(), size_t(I)});
+      jobs.push_back({&mlp[i]->up, xs[i], Ts[i], size_t(H), u[i].data(), size_t(I)});
+    }
+    cpu::matmul_many(pool_, jobs);
+    jobs.clear();
+    for (size_t i = 0; i < n; ++i) {
+      for (size_t k = 0; k < g[i].size(); ++k) g[i][k] = cpu::silu(g[i][k]) * u[i][k];
+      jobs.push_back({&mlp[i]->down, g[i].data(), Ts[i], size_t(mlp[i]->gate.rows), outs[i], size_t(H)});
+    }
+    cpu::matmul_many(pool_, jobs);
   }
 
   void mlp_block(const MlpWeights& m, const float* xn, int T, float* out) { swiglu(m, xn, T, out); }
@@ -206,26 +234,47 @@ class CpuBackend final : public Backend {
       for (int j = 0; j < k; ++j)
         by_expert[idx[j]].push_back({t, c_.norm_topk_prob ? p[idx[j]] / top : p[idx[j]]});
     }
-    std::fill(out, out + static_cast<size_t>(T) * H, 0.f);
-    std::vector<float> xe, ye;
+    // Every expert with tokens (in expert order) and the shared expert, as
+    // one batch of MLPs; the shared expert's gate logit with them.
+    std::vector<const MlpWeights*> mlp;
+    std::vector<int> experts, Ts;
+    std::vector<std::vector<float>> xe, ye;
     for (int e = 0; e < E; ++e) {
       const auto& routed = by_expert[e];
       if (routed.empty()) continue;
       const int n = static_cast<int>(routed.size());
-      xe.resize(static_cast<size_t>(n) * H);
-      ye.resize(xe.size());
-      for (int i = 0; i < n; ++i) std::copy_n(xn + routed[i].first * H, H, &xe[i * H]);
-      swiglu(M.experts[e], xe.data(), n, ye.data());
-      for (int i = 0; i < n; ++i) {
-        float* o = out + routed[i].first * H;
-        const float w = routed[i].second;
-        for (int j = 0; j < H; ++j) o[j] += w * ye[i * H + j];
+      experts.push_back(e);
+      mlp.push_back(&M.experts[e]);
+      Ts.push_back(n);
+      xe.emplace_back(static_cast<size_t>(n) * H);
+      ye.emplace_back(static_cast<size_t>(n) * H);
+      for (int i = 0; i < n; ++i) std::copy_n(xn + routed[i].first * H, H, &xe.back()[i * H]);
+    }
+    std::vector<float> gate(T);
+    if (M.has_shared) {
+      mlp.push_back(&M.shared);
+      Ts.push_back(T);
+      ye.emplace_back(static_cast<size_t>(T) * H);
+      matmul(pool_, M.shared_gate, xn, T, H, gate.data(), 1);
+    }
+    std::vector<const float*> xs;
+    std::vector<float*> outs;
+    for (size_t i = 0; i < mlp.size(); ++i) {
+      xs.push_back(i < xe.size() ? xe[i].data() : xn);
+      outs.push_back(ye[i].data());
+    }
+    swiglu_many(mlp, xs, Ts, outs);
+    std::fill(out, out + static_cast<size_t>(T) * H, 0.f);
+    for (size_t i = 0; i < experts.size(); ++i) {
+      const auto& routed = by_expert[experts[i]];
+      for (size_t r = 0; r < routed.size(); ++r) {
+        float* o = out + routed[r].first * H;
+        const float w = routed[r].second;
+        for (int j = 0; j < H; ++j) o[j] += w * ye[i][r * H + j];
       }
     }
     if (M.has_shared) {
-      std::vector<float> ys(static_cast<size_t>(T) * H), gate(T);
-      swiglu(M.shared, xn, T, ys.data());
-      matmul(pool_, M.shared_gate, xn, T, H, gate.data(), 1);
+      const std::vector<float>& ys = ye.back();
       for (int t = 0; t < T; ++t) {
         const float s = cpu::sigmoid(gate[t]);
         for (int j = 0; j < H; ++j) out[t * H + j] += s * ys[t * H + j];

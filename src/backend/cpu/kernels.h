@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <span>
 
 #include "core/thread_pool.h"
 #include "model/weights.h"
@@ -13,10 +14,30 @@ namespace lily::cpu {
 // out[c] = W[r][c] as f32, for one row.
 void dequantize_row(const Matrix& w, int row, float* out);
 
-// y[t * y_stride + r] = sum_c W[r][c] * x[t * x_stride + c] for t < T.
-// Each weight row is expanded once and reused across the T input rows.
+// y[t * y_stride + r] = sum_c W[r][c] * x[t * x_stride + c] for t < T, in
+// f32. On x86-64 CPUs with AVX2 + FMA the weights are decoded in registers
+// (up to eight input rows per pass over a row); elsewhere each weight row is
+// expanded once into a buffer and reused across the T input rows. A row's
+// result does not depend on the thread count.
 void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
             size_t y_stride);
+// Several matmuls as one parallel loop over all their rows (one hand-off to
+// the threads instead of one each; every row computed as matmul computes
+// it, so the results are the same bits). Jobs with T <= 0 are skipped.
+struct MatmulJob {
+  const Matrix* w;
+  const float* x;
+  int T;
+  size_t x_stride;
+  float* y;
+  size_t y_stride;
+};
+void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs);
+// Whether matmul takes the SIMD path (the CPU has it and neither
+// LILY_CPU_SIMD=0 nor set_matmul_simd(false) turned it off).
+bool matmul_simd_active();
+// Tests and A/B runs: force the SIMD path off (false) or back on (true).
+void set_matmul_simd(bool on);
 
 // y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y);
