@@ -14,19 +14,23 @@
 // a device-to-device copy measured in the same run.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/kernels.h"
 #include "backend/cuda/cuda_backend.h"
 #include "cli/args.h"
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/synthetic.h"
 
 namespace lily::cli {
@@ -461,7 +465,66 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
 }
 #endif
 
+// Bytes one decode step of the CPU backend reads at context ctx: every
+// matrix but the embedding (one row) and the routed experts (top-k of them
+// per MoE layer, at the first expert's size), the f32 KV rows of the
+// attention layers, and each DeltaNet state read and written.
+double cpu_decode_bytes(const ModelWeights& w, int ctx) {
+  const ModelConfig& c = w.config;
+  double b = w.lm_head.storage_bytes() + double(w.embed.storage_bytes()) / std::max(1, w.embed.rows);
+  auto mlp = [](const MlpWeights& m) {
+    return double(m.gate.storage_bytes() + m.up.storage_bytes() + m.down.storage_bytes());
+  };
+  for (const LayerWeights& L : w.layers) {
+    if (L.kind == LayerKind::FullAttention) {
+      const AttentionWeights& A = L.attn;
+      b += A.q.storage_bytes() + A.k.storage_bytes() + A.v.storage_bytes() + A.o.storage_bytes();
+      b += 2.0 * 4 * c.num_kv_heads * c.head_dim * (ctx + 1);
+    } else {
+      const DeltaNetWeights& D = L.deltanet;
+      b += D.in_qkv.storage_bytes() + D.in_z.storage_bytes() + D.in_b.storage_bytes() + D.in_a.storage_bytes() +
+           D.out.storage_bytes();
+      b += 2.0 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+    }
+    if (L.is_moe) {
+      b += L.moe.router.storage_bytes();
+      if (!L.moe.experts.empty()) b += c.num_experts_per_tok * mlp(L.moe.experts[0]);
+      if (L.moe.has_shared) b += mlp(L.moe.shared) + L.moe.shared_gate.storage_bytes();
+    } else {
+      b += mlp(L.mlp);
+    }
+  }
+  return b;
+}
+
+// The host's read bandwidth with `threads` threads (0: all): sums over a
+// 512 MiB buffer (well past any cache), best of 5 passes.
+double host_read_gbs(int threads) {
+  const size_t n = (size_t(512) << 20) / sizeof(uint64_t);
+  std::vector<uint64_t> buf(n, 1);
+  ThreadPool pool(threads > 0 ? threads : 0);
+  std::vector<uint64_t> sums(pool.size() * 64);
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.parallel_for(n, n / pool.size(), [&](size_t b, size_t e) {
+      uint64_t acc[8] = {};
+      for (size_t i = b; i + 8 <= e; i += 8)
+        for (int k = 0; k < 8; ++k) acc[k] += buf[i + k];
+      sums[(b * pool.size() / n) * 8] += acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+    });
+    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, n * sizeof(uint64_t) / sec / 1e9);
+  }
+  static volatile uint64_t sink = 0;
+  for (uint64_t v : sums) sink = sink + v;
+  return best;
+}
+
 nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s, int threads) {
+  std::vector<double> bytes;
+  for (int ctx : s.ctxs) bytes.push_back(cpu_decode_bytes(*w, ctx + s.tokens / 2));
+  const double read_gbs = host_read_gbs(threads);
   BackendOptions opt;
   opt.kind = "cpu";
   opt.threads = threads;
@@ -471,11 +534,18 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   j["device"] = "cpu";
   j["model"] = s.model_desc;
   j["backend"] = "cpu";
+  j["threads"] = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
+  j["matmul_path"] = cpu::matmul_simd_active() ? "avx2" : "portable";
+  j["host_read_gbs"] = read_gbs;
   j["method"] = "prompt of random tokens prefilled to the context length, then timed greedy decode";
-  std::printf("%8s %12s %9s %9s\n", "ctx", "prefill t/s", "tok/s", "ms/tok");
+  std::printf("cpu: %d threads   matmul: %s   host read bandwidth: %.1f GB/s   model: %s\n\n",
+              j["threads"].get<int>(), j["matmul_path"].get<std::string>().c_str(), read_gbs, s.model_desc.c_str());
+  std::printf("%8s %12s %9s %9s %9s %9s %7s\n", "ctx", "prefill t/s", "tok/s", "ms/tok", "GB/tok", "GB/s",
+              "%read");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   std::mt19937 rng(static_cast<uint32_t>(s.seed));
-  for (int ctx : s.ctxs) {
+  for (size_t ci = 0; ci < s.ctxs.size(); ++ci) {
+    const int ctx = s.ctxs[ci];
     std::vector<double> per_tok, prefill_tok_s;
     for (int r = 0; r < s.warmup + s.repeats; ++r) {
       auto cache = b->new_cache(ctx + s.tokens + 1);
@@ -493,9 +563,16 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
     }
     const double ms_tok = median(per_tok);
     const double pf = median(prefill_tok_s);
-    std::printf("%8d %12.1f %9.2f %9.2f\n", ctx, pf, 1000.0 / ms_tok, ms_tok);
-    rows.push_back({{"ctx", ctx}, {"prefill_tok_s", pf}, {"decode_tok_s", 1000.0 / ms_tok},
-                    {"ms_per_token", ms_tok}});
+    const double gbs = bytes[ci] / (ms_tok * 1e-3) / 1e9;
+    std::printf("%8d %12.1f %9.2f %9.2f %9.3f %9.1f %6.1f%%\n", ctx, pf, 1000.0 / ms_tok, ms_tok, bytes[ci] / 1e9,
+                gbs, 100 * gbs / read_gbs);
+    rows.push_back({{"ctx", ctx},
+                    {"prefill_tok_s", pf},
+                    {"decode_tok_s", 1000.0 / ms_tok},
+                    {"ms_per_token", ms_tok},
+                    {"bytes_per_token", bytes[ci]},
+                    {"achieved_gbs", gbs},
+                    {"fraction_of_read", gbs / read_gbs}});
   }
   j["results"] = rows;
   return j;
