@@ -75,13 +75,14 @@ void naive_matmul(const std::vector<float>& w, int rows, int cols, const std::ve
 // Both matmul paths (the SIMD one where the CPU has it, and the portable
 // one) against the double-precision product of the dequantized weights.
 struct SimdScope {
-  explicit SimdScope(bool on) { cpu::set_matmul_simd(on); }
-  ~SimdScope() { cpu::set_matmul_simd(true); }
+  explicit SimdScope(cpu::MatmulIsa cap) { cpu::set_matmul_isa(cap); }
+  ~SimdScope() { cpu::set_matmul_isa(cpu::MatmulIsa::Avx512); }
 };
-std::vector<bool> matmul_paths() {
-  std::vector<bool> paths{false};
-  cpu::set_matmul_simd(true);
-  if (cpu::matmul_simd_active()) paths.push_back(true);
+// Every kernel this CPU can run (the portable one everywhere).
+std::vector<cpu::MatmulIsa> matmul_paths() {
+  cpu::set_matmul_isa(cpu::MatmulIsa::Avx512);
+  std::vector<cpu::MatmulIsa> paths;
+  for (int i = 0; i <= static_cast<int>(cpu::matmul_isa()); ++i) paths.push_back(static_cast<cpu::MatmulIsa>(i));
   return paths;
 }
 
@@ -101,12 +102,12 @@ TEST_P(AffineMatmul, MatchesDequantizedReference) {
   for (auto& v : x) v += 0.5f;
   std::vector<double> want;
   naive_matmul(a.dense, rows, cols, x, T, want);
-  for (bool simd : matmul_paths()) {
-    SimdScope scope(simd);
+  for (cpu::MatmulIsa isa : matmul_paths()) {
+    SimdScope scope(isa);
     std::vector<float> y(size_t(T) * rows);
     cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows);
     for (size_t i = 0; i < y.size(); ++i)
-      ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "simd " << simd << " at " << i;
+      ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "kernel " << cpu::matmul_isa_name(isa) << " at " << i;
   }
 }
 
@@ -144,8 +145,8 @@ TEST(Matmul, SameBitsForAnyThreadCountAndAlignment) {
   m.data = buf.data() + 1;
   std::vector<double> want;
   naive_matmul(dense, rows, cols, x, T, want);
-  for (bool simd : matmul_paths()) {
-    SimdScope scope(simd);
+  for (cpu::MatmulIsa isa : matmul_paths()) {
+    SimdScope scope(isa);
     cpu::matmul(three, m, x.data(), T, cols, y3.data(), rows);
     for (size_t i = 0; i < y3.size(); ++i) ASSERT_NEAR(y3[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << i;
   }
@@ -165,8 +166,8 @@ TEST(Matmul, ManyJobsGiveTheBitsOfOneCallEach) {
   const Matrix* ms[] = {&a.m, &b.m, &f, &c.m};
   const int Ts[] = {3, 1, 5, 0};
   ThreadPool pool(3);
-  for (bool simd : matmul_paths()) {
-    SimdScope scope(simd);
+  for (cpu::MatmulIsa isa : matmul_paths()) {
+    SimdScope scope(isa);
     std::vector<std::vector<float>> one(4), many(4);
     std::vector<cpu::MatmulJob> jobs;
     for (int j = 0; j < 4; ++j) {
@@ -177,7 +178,7 @@ TEST(Matmul, ManyJobsGiveTheBitsOfOneCallEach) {
       jobs.push_back({ms[j], x.data(), Ts[j], 200, many[j].data(), ys});
     }
     cpu::matmul_many(pool, jobs);
-    for (int j = 0; j < 4; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j << " simd " << simd;
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j << " kernel " << cpu::matmul_isa_name(isa);
   }
 }
 
@@ -212,12 +213,12 @@ TEST(Matmul, Bf16F16AndF32MatchReference) {
                            : reinterpret_cast<const uint8_t*>(wf.data());
       std::vector<double> want;
       naive_matmul(pass == 0 ? dense_b : pass == 1 ? dense_h : wf, rows, cols, x, T, want);
-      for (bool simd : matmul_paths()) {
-        SimdScope scope(simd);
+      for (cpu::MatmulIsa isa : matmul_paths()) {
+        SimdScope scope(isa);
         std::vector<float> y(size_t(T) * rows);
         cpu::matmul(pool, m, x.data(), T, cols, y.data(), rows);
         for (size_t i = 0; i < y.size(); ++i)
-          ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "pass " << pass << " simd " << simd << " T " << T;
+          ASSERT_NEAR(y[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "pass " << pass << " kernel " << cpu::matmul_isa_name(isa) << " T " << T;
       }
     }
   }

@@ -535,7 +535,7 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   j["model"] = s.model_desc;
   j["backend"] = "cpu";
   j["threads"] = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
-  j["matmul_path"] = cpu::matmul_simd_active() ? "avx2" : "portable";
+  j["matmul_path"] = cpu::matmul_isa_name(cpu::matmul_isa());
   j["host_read_gbs"] = read_gbs;
   j["method"] = "prompt of random tokens prefilled to the context length, then timed greedy decode";
   std::printf("cpu: %d threads   matmul: %s   host read bandwidth: %.1f GB/s   model: %s\n\n",

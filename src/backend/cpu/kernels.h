@@ -15,10 +15,10 @@ namespace lily::cpu {
 void dequantize_row(const Matrix& w, int row, float* out);
 
 // y[t * y_stride + r] = sum_c W[r][c] * x[t * x_stride + c] for t < T, in
-// f32. On x86-64 CPUs with AVX2 + FMA the weights are decoded in registers
-// (up to eight input rows per pass over a row); elsewhere each weight row is
-// expanded once into a buffer and reused across the T input rows. A row's
-// result does not depend on the thread count.
+// f32. On x86-64 CPUs with AVX2 + FMA (or AVX-512) the weights are decoded
+// in registers (up to 4 or 8 input rows per pass over a row); elsewhere
+// each weight row is expanded once into a buffer and reused across the T
+// input rows. A row's result does not depend on the thread count.
 void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
             size_t y_stride);
 // Several matmuls as one parallel loop over all their rows (one hand-off to
@@ -33,11 +33,15 @@ struct MatmulJob {
   size_t y_stride;
 };
 void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs);
-// Whether matmul takes the SIMD path (the CPU has it and neither
-// LILY_CPU_SIMD=0 nor set_matmul_simd(false) turned it off).
-bool matmul_simd_active();
-// Tests and A/B runs: force the SIMD path off (false) or back on (true).
-void set_matmul_simd(bool on);
+// The kernel matmul takes: the widest the CPU has (checked at run time) up
+// to a cap, set by set_matmul_isa (tests, A/B runs) or else by the
+// environment (LILY_CPU_SIMD=0|portable, avx2 or avx512; default: no cap).
+// A matrix the kernel cannot take (quantization groups not whole vectors)
+// takes the next narrower one.
+enum class MatmulIsa { Portable = 0, Avx2 = 1, Avx512 = 2 };
+MatmulIsa matmul_isa();
+void set_matmul_isa(MatmulIsa cap);
+const char* matmul_isa_name(MatmulIsa isa);
 
 // y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y);

@@ -11,7 +11,7 @@
 #include "core/half.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define LILY_CPU_AVX2 1
+#define LILY_CPU_X86 1
 #include <immintrin.h>
 #endif
 
@@ -111,47 +111,6 @@ void rows_generic(const Matrix& w, const float* x, int T, size_t x_stride, size_
   }
 }
 
-#ifdef LILY_CPU_AVX2
-// The AVX2 + FMA path (chosen at run time): weights are decoded eight at a
-// time in registers and never stored, for up to eight input rows at once, so
-// a decode step reads each weight byte once and does ~1 instruction per
-// weight per input row. A quantized row's sum is taken per group as
-// scale * sum(q x) + bias * sum(x) (the group sums of x computed once per
-// call), in f32 like the portable path; the two differ only in summation
-// order.
-#define LILY_AVX2_FN __attribute__((target("avx2,fma,f16c")))
-
-// Eight weights of row `src` from column c (a multiple of 8): their codes
-// (quantized formats) or their values.
-template <WeightFormat F>
-LILY_AVX2_FN inline __m256 load8(const uint8_t* src, int c) {
-  if constexpr (F == WeightFormat::Affine4) {
-    uint32_t word;
-    std::memcpy(&word, src + c / 2, 4);
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), sh),
-                                       _mm256_set1_epi32(15));
-    return _mm256_cvtepi32_ps(q);
-  } else if constexpr (F == WeightFormat::Affine8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-  } else if constexpr (F == WeightFormat::BF16) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * size_t(c)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else if constexpr (F == WeightFormat::F16) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * size_t(c))));
-  } else {
-    return _mm256_loadu_ps(reinterpret_cast<const float*>(src + 4 * size_t(c)));
-  }
-}
-
-LILY_AVX2_FN inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One weight value of a row at column c (the unquantized formats' tails).
 template <WeightFormat F>
 inline float load1(const uint8_t* src, int c) {
@@ -166,179 +125,185 @@ inline float load1(const uint8_t* src, int c) {
   }
 }
 
-// Rows [r0, r1) against NT input rows (x: the first; xsum: their group sums,
-// groups per row apart). U independent accumulators per input row hide the
-// FMA latency when NT is small.
-template <WeightFormat F, int NT>
-LILY_AVX2_FN void rows_avx2(const Matrix& w, const float* x, size_t x_stride, const float* xsum, size_t r0,
-                            size_t r1, float* y, size_t y_stride) {
-  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;
-  constexpr bool kQuant = F == WeightFormat::Affine4 || F == WeightFormat::Affine8;
-  const int cols = w.cols;
-  const size_t row_bytes = w.row_bytes();
-  for (size_t r = r0; r < r1; ++r) {
-    const uint8_t* src = w.data + row_bytes * r;
-    __m256 racc[NT][U];
-    float tail[NT];
-    #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      tail[t] = 0.f;
-      #pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) racc[t][u] = _mm256_setzero_ps();
-    }
-    if constexpr (kQuant) {
-      const int gs = w.group_size, groups = cols / gs;
-      const size_t g0 = size_t(groups) * r;
-      for (int g = 0; g < groups; ++g) {
-        __m256 gacc[NT][U];
-        #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t)
-          #pragma GCC unroll 8
-          for (int u = 0; u < U; ++u) gacc[t][u] = _mm256_setzero_ps();
-        const int c0 = g * gs, c1 = c0 + gs;
-        int c = c0;
-        for (; c + 8 * U <= c1; c += 8 * U)
-          #pragma GCC unroll 8
-          for (int u = 0; u < U; ++u) {
-            const __m256 q = load8<F>(src, c + 8 * u);
-            #pragma GCC unroll 8
-            for (int t = 0; t < NT; ++t)
-              gacc[t][u] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + t * x_stride + c + 8 * u), gacc[t][u]);
-          }
-        for (; c < c1; c += 8) {
-          const __m256 q = load8<F>(src, c);
-          #pragma GCC unroll 8
-          for (int t = 0; t < NT; ++t)
-            gacc[t][0] = _mm256_fmadd_ps(q, _mm256_loadu_ps(x + t * x_stride + c), gacc[t][0]);
-        }
-        const float scale = load_scale(w.scales, w.scale_dtype, g0 + g);
-        const float bias = load_scale(w.biases, w.scale_dtype, g0 + g);
-        const __m256 sv = _mm256_set1_ps(scale);
-        #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) {
-          #pragma GCC unroll 8
-          for (int u = 0; u < U; ++u) racc[t][u] = _mm256_fmadd_ps(sv, gacc[t][u], racc[t][u]);
-          tail[t] += bias * xsum[size_t(t) * groups + g];
-        }
-      }
-    } else {
-      int c = 0;
-      for (; c + 8 * U <= cols; c += 8 * U)
-        #pragma GCC unroll 8
-        for (int u = 0; u < U; ++u) {
-          const __m256 v = load8<F>(src, c + 8 * u);
-          #pragma GCC unroll 8
-          for (int t = 0; t < NT; ++t)
-            racc[t][u] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * x_stride + c + 8 * u), racc[t][u]);
-        }
-      for (; c + 8 <= cols; c += 8) {
-        const __m256 v = load8<F>(src, c);
-        #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t)
-          racc[t][0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * x_stride + c), racc[t][0]);
-      }
-      for (; c < cols; ++c) {
-        const float v = load1<F>(src, c);
-        #pragma GCC unroll 8
-        for (int t = 0; t < NT; ++t) tail[t] += v * x[t * x_stride + c];
-      }
-    }
-    #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) {
-      __m256 a = racc[t][0];
-      #pragma GCC unroll 8
-      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, racc[t][u]);
-      y[t * y_stride + r] = hsum(a) + tail[t];
-    }
-  }
-}
+}  // namespace
 
-// Input rows in blocks of kMaxNT (the block's x stays in L1 / L2 while the
-// task's rows go by; each weight is decoded once per block); NT for the last.
-// A quantized row keeps two accumulators per input row (its group's and its
-// own), so fewer input rows fit the 16 vector registers.
+#ifdef LILY_CPU_X86
+// The SIMD paths (chosen at run time): weights are decoded a vector at a time
+// in registers and never stored, for several input rows at once, so a decode
+// step reads each weight byte once and does about one instruction per weight
+// and input row. A quantized row's sum is taken per group as
+// scale * sum(q x) + bias * sum(x) (the group sums of x computed once per
+// call), in f32 like the portable path; they differ only in summation order.
+// matmul_simd.inc holds the row kernel, compiled once per instruction set.
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {
+namespace simd_avx2 {
+// Eight weights: 4-bit codes by a variable shift of the word per lane.
+constexpr int kW = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float f) { return _mm256_set1_ps(f); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline float vsum(V v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// x in column order for every format.
+constexpr bool kPermuted4 = false;
 template <WeightFormat F>
-constexpr int kMaxNT = F == WeightFormat::Affine4 || F == WeightFormat::Affine8 ? 4 : 8;
-template <WeightFormat F, int NT = 1>
-void rows_block(int n, const Matrix& w, const float* x, size_t x_stride, const float* xsum, size_t r0, size_t r1,
-                float* y, size_t y_stride) {
-  if constexpr (NT < kMaxNT<F>) {
-    if (n > NT) return rows_block<F, NT + 1>(n, w, x, x_stride, xsum, r0, r1, y, y_stride);
+inline V loadw(const uint8_t* src, int c) {
+  if constexpr (F == WeightFormat::Affine4) {
+    uint32_t word;
+    std::memcpy(&word, src + c / 2, 4);
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), sh),
+                                       _mm256_set1_epi32(15));
+    return _mm256_cvtepi32_ps(q);
+  } else if constexpr (F == WeightFormat::Affine8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c))));
+  } else if constexpr (F == WeightFormat::BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * size_t(c)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == WeightFormat::F16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * size_t(c))));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(src + 4 * size_t(c)));
   }
-  rows_avx2<F, NT>(w, x, x_stride, xsum, r0, r1, y, y_stride);
 }
+#include "backend/cpu/matmul_simd.inc"
+}  // namespace simd_avx2
+}  // namespace
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+// GCC 12's AVX-512 intrinsics take an undefined pass-through register that
+// it then reports as maybe uninitialized (a known false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace {
+namespace simd_avx512 {
+// Sixteen weights. 4-bit: the two words broadcast as 64-bit pairs, shifted
+// per lane, and the low nibble of each lane used as the index of a 16-entry
+// table (vpermps reads only those bits): lanes 2i and 2i + 1 hold columns i
+// and 8 + i, so the inputs of 4-bit rows are permuted to match (once per
+// call, permute16 below).
+constexpr int kW = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float f) { return _mm512_set1_ps(f); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline float vsum(V v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+constexpr bool kPermuted4 = true;
 template <WeightFormat F>
-void rows_all_tokens(const Matrix& w, const float* x, int T, size_t x_stride, const float* xsum, size_t groups,
-                     size_t r0, size_t r1, float* y, size_t y_stride) {
-  for (int t0 = 0; t0 < T; t0 += kMaxNT<F>) {
-    const float* st = xsum ? xsum + size_t(t0) * groups : nullptr;
-    rows_block<F>(std::min(kMaxNT<F>, T - t0), w, x + size_t(t0) * x_stride, x_stride, st, r0, r1,
-                  y + size_t(t0) * y_stride, y_stride);
+inline V loadw(const uint8_t* src, int c) {
+  if constexpr (F == WeightFormat::Affine4) {
+    uint64_t pair;
+    std::memcpy(&pair, src + c / 2, 8);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(static_cast<long long>(pair)), sh), table);
+  } else if constexpr (F == WeightFormat::Affine8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c))));
+  } else if constexpr (F == WeightFormat::BF16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * size_t(c)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else if constexpr (F == WeightFormat::F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * size_t(c))));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(src + 4 * size_t(c)));
   }
 }
-
-bool cpu_has_avx2() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return ok;
-}
-
-bool simd_fits(const Matrix& w) {
-  return !w.quantized() || (w.group_size > 0 && w.group_size % 8 == 0 && w.cols % w.group_size == 0);
-}
-
-void rows_avx2_any(const Matrix& w, const float* x, int T, size_t x_stride, const float* xsum, size_t groups,
-                   size_t r0, size_t r1, float* y, size_t y_stride) {
-  switch (w.format) {
-    case WeightFormat::Affine4:
-      return rows_all_tokens<WeightFormat::Affine4>(w, x, T, x_stride, xsum, groups, r0, r1, y, y_stride);
-    case WeightFormat::Affine8:
-      return rows_all_tokens<WeightFormat::Affine8>(w, x, T, x_stride, xsum, groups, r0, r1, y, y_stride);
-    case WeightFormat::BF16:
-      return rows_all_tokens<WeightFormat::BF16>(w, x, T, x_stride, xsum, groups, r0, r1, y, y_stride);
-    case WeightFormat::F16:
-      return rows_all_tokens<WeightFormat::F16>(w, x, T, x_stride, xsum, groups, r0, r1, y, y_stride);
-    case WeightFormat::F32:
-      return rows_all_tokens<WeightFormat::F32>(w, x, T, x_stride, xsum, groups, r0, r1, y, y_stride);
-  }
-}
+#include "backend/cpu/matmul_simd.inc"
+}  // namespace simd_avx512
+}  // namespace
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
 #endif
 
-// LILY_CPU_SIMD=0 turns the SIMD path off (A/B); set_matmul_simd overrides.
-std::atomic<int> g_simd{-1};
+namespace {
+
+MatmulIsa cpu_isa() {
+#ifdef LILY_CPU_X86
+  static const MatmulIsa isa = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+      return MatmulIsa::Portable;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+      return MatmulIsa::Avx512;
+    return MatmulIsa::Avx2;
+  }();
+  return isa;
+#else
+  return MatmulIsa::Portable;
+#endif
+}
+
+// The cap on the instruction set (set_matmul_isa; -1: from LILY_CPU_SIMD).
+std::atomic<int> g_isa_cap{-1};
+
+// 4-bit inputs for the AVX-512 kernel: each block of 16 in loadw's lane
+// order (lane 2i: column i, lane 2i + 1: column 8 + i).
+void permute16(const float* x, int T, size_t x_stride, int cols, std::vector<float>& out) {
+  out.resize(size_t(T) * cols);
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < cols; c += 16)
+      for (int i = 0; i < 8; ++i) {
+        out[size_t(t) * cols + c + 2 * i] = x[size_t(t) * x_stride + c + i];
+        out[size_t(t) * cols + c + 2 * i + 1] = x[size_t(t) * x_stride + c + 8 + i];
+      }
+}
 
 }  // namespace
 
-void set_matmul_simd(bool on) { g_simd = on ? 1 : 0; }
-
-bool matmul_simd_active() {
-#ifdef LILY_CPU_AVX2
-  int s = g_simd.load();
-  if (s < 0) {
-    const char* e = std::getenv("LILY_CPU_SIMD");
-    s = (e && std::string(e) == "0") ? 0 : 1;
-    g_simd = s;
+const char* matmul_isa_name(MatmulIsa isa) {
+  switch (isa) {
+    case MatmulIsa::Avx2: return "avx2";
+    case MatmulIsa::Avx512: return "avx512";
+    default: return "portable";
   }
-  return s == 1 && cpu_has_avx2();
-#else
-  return false;
-#endif
+}
+
+void set_matmul_isa(MatmulIsa cap) { g_isa_cap = static_cast<int>(cap); }
+
+MatmulIsa matmul_isa() {
+  int cap = g_isa_cap.load();
+  if (cap < 0) {
+    const char* e = std::getenv("LILY_CPU_SIMD");
+    const std::string v = e ? e : "";
+    cap = v == "0" || v == "portable" ? 0 : v == "avx2" ? 1 : 2;
+    g_isa_cap = cap;
+  }
+  return static_cast<MatmulIsa>(std::min(cap, static_cast<int>(cpu_isa())));
 }
 
 void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
-  // Per job: its path, the group sums of its inputs (SIMD, quantized), its
-  // first row in the combined row range.
+  // Per job: its kernel, the group sums of its inputs (SIMD, quantized), the
+  // permuted inputs (AVX-512, 4-bit), its first row in the combined range.
   struct Prep {
-    bool simd = false;
+    MatmulIsa isa = MatmulIsa::Portable;
     size_t groups = 0;
-    std::vector<float> xsum;
+    std::vector<float> xsum, xperm;
   };
   std::vector<Prep> prep(jobs.size());
   std::vector<size_t> first(jobs.size() + 1, 0);
   size_t grain = SIZE_MAX;
-  [[maybe_unused]] const bool simd = matmul_simd_active();
+  [[maybe_unused]] const MatmulIsa isa = matmul_isa();
   for (size_t j = 0; j < jobs.size(); ++j) {
     const MatmulJob& J = jobs[j];
     const Matrix& w = *J.w;
@@ -346,10 +311,12 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
     first[j + 1] = first[j] + (T > 0 ? w.rows : 0);
     if (T == 0) continue;
     Prep& P = prep[j];
-#ifdef LILY_CPU_AVX2
-    P.simd = simd && simd_fits(w);
+#ifdef LILY_CPU_X86
+    if (isa == MatmulIsa::Avx512 && simd_avx512::fits(w)) P.isa = MatmulIsa::Avx512;
+    else if (isa >= MatmulIsa::Avx2 && simd_avx2::fits(w)) P.isa = MatmulIsa::Avx2;
+    if (P.isa == MatmulIsa::Avx512 && w.format == WeightFormat::Affine4) permute16(J.x, T, J.x_stride, w.cols, P.xperm);
 #endif
-    if (P.simd && w.quantized()) {
+    if (P.isa != MatmulIsa::Portable && w.quantized()) {
       P.groups = w.cols / w.group_size;
       P.xsum.resize(size_t(T) * P.groups);
       for (int t = 0; t < T; ++t)
@@ -362,8 +329,9 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
     }
     // Rows per task: SIMD ~16 KB of weights and at least 8 rows; portable,
     // enough rows that the per-task overhead stays small.
-    const size_t g = P.simd ? std::max<size_t>(8, (16u << 10) / std::max<size_t>(1, w.row_bytes()))
-                            : std::max<size_t>(1, 16384 / std::max(1, w.cols));
+    const size_t g = P.isa != MatmulIsa::Portable
+                         ? std::max<size_t>(8, (16u << 10) / std::max<size_t>(1, w.row_bytes()))
+                         : std::max<size_t>(1, 16384 / std::max(1, w.cols));
     grain = std::min(grain, g);
   }
   const size_t total = first.back();
@@ -375,14 +343,22 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
       b = first[j] + r1;
       if (r1 <= r0) continue;
       const MatmulJob& J = jobs[j];
-#ifdef LILY_CPU_AVX2
-      if (prep[j].simd) {
-        rows_avx2_any(*J.w, J.x, J.T, J.x_stride, prep[j].xsum.empty() ? nullptr : prep[j].xsum.data(),
-                      prep[j].groups, r0, r1, J.y, J.y_stride);
-        continue;
-      }
+      const Prep& P = prep[j];
+      [[maybe_unused]] const float* xsum = P.xsum.empty() ? nullptr : P.xsum.data();
+      switch (P.isa) {
+#ifdef LILY_CPU_X86
+        case MatmulIsa::Avx512:
+          if (!P.xperm.empty())
+            simd_avx512::rows_any(*J.w, P.xperm.data(), J.T, J.w->cols, xsum, P.groups, r0, r1, J.y, J.y_stride);
+          else
+            simd_avx512::rows_any(*J.w, J.x, J.T, J.x_stride, xsum, P.groups, r0, r1, J.y, J.y_stride);
+          break;
+        case MatmulIsa::Avx2:
+          simd_avx2::rows_any(*J.w, J.x, J.T, J.x_stride, xsum, P.groups, r0, r1, J.y, J.y_stride);
+          break;
 #endif
-      rows_generic(*J.w, J.x, J.T, J.x_stride, r0, r1, J.y, J.y_stride);
+        default: rows_generic(*J.w, J.x, J.T, J.x_stride, r0, r1, J.y, J.y_stride);
+      }
     }
   });
 }
