@@ -289,12 +289,12 @@ TEST(DeltaNet, RecurrentStepMatchesDefinition) {
   EXPECT_NEAR(o[1], wo[1], 1e-6);
 }
 
-TEST(Attention, MatchesNaiveCausalGqa) {
-  const int T = 5, past = 6, nh = 6, nkv = 2, hd = 24, total = past + T;
+void check_attention(int T, int past, int nh, int nkv, int hd, int threads) {
+  const int total = past + T;
   auto q = random_floats(size_t(T) * nh * hd, 1), k = random_floats(size_t(total) * nkv * hd, 2),
        v = random_floats(size_t(total) * nkv * hd, 3);
   std::vector<float> out(size_t(T) * nh * hd);
-  ThreadPool pool(2);
+  ThreadPool pool(threads);
   cpu::attention(pool, {q.data(), size_t(nh * hd), size_t(hd), k.data(), v.data(), out.data(),
                         size_t(nh * hd), T, past, nh, nkv, hd});
   for (int t = 0; t < T; ++t)
@@ -312,9 +312,25 @@ TEST(Attention, MatchesNaiveCausalGqa) {
       for (int x = 0; x < hd; ++x) {
         double o = 0;
         for (int p = 0; p < n; ++p) o += s[p] / sum * v[(p * nkv + g) * hd + x];
-        EXPECT_NEAR(out[(t * nh + h) * hd + x], o, 1e-5);
+        ASSERT_NEAR(out[(t * nh + h) * hd + x], o, 1e-5) << "T " << T << " past " << past << " t " << t << " h " << h;
       }
     }
+}
+
+TEST(Attention, MatchesNaiveCausalGqa) {
+  check_attention(5, 6, 6, 2, 24, 2);
+  check_attention(9, 0, 4, 4, 40, 3);
+}
+
+// A decode token (and two) over a long context: the positions are split into
+// slices across the threads and merged.
+TEST(Attention, LongContextSlicesMatchNaive) {
+  for (auto isa : matmul_paths()) {
+    SimdScope scope(isa);
+    check_attention(1, 1500, 8, 2, 72, 3);
+    check_attention(2, 1023, 6, 3, 40, 4);
+    check_attention(1, 700, 4, 1, 256, 8);
+  }
 }
 
 TEST(Rope, RotatesPairsAndKeepsTheRest) {

@@ -43,6 +43,11 @@ MatmulIsa matmul_isa();
 void set_matmul_isa(MatmulIsa cap);
 const char* matmul_isa_name(MatmulIsa isa);
 
+// sum a[i] b[i], and y[i] += a x[i], over n floats (with matmul's kernel
+// choice: vector accumulators, so the sum order is not the serial one).
+float dot_f32(const float* a, const float* b, int n);
+void axpy_f32(float a, const float* x, float* y, int n);
+
 // y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y);
 

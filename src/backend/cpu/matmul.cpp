@@ -146,6 +146,7 @@ using V = __m256;
 inline V vzero() { return _mm256_setzero_ps(); }
 inline V vset1(float f) { return _mm256_set1_ps(f); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline float vsum(V v) {
@@ -154,8 +155,6 @@ inline float vsum(V v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-// x in column order for every format.
-constexpr bool kPermuted4 = false;
 template <WeightFormat F>
 inline V loadw(const uint8_t* src, int c) {
   if constexpr (F == WeightFormat::Affine4) {
@@ -187,6 +186,7 @@ inline V loadw(const uint8_t* src, int c) {
 // it then reports as maybe uninitialized (a known false positive).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 namespace {
 namespace simd_avx512 {
 // Sixteen weights. 4-bit: the two words broadcast as 64-bit pairs, shifted
@@ -199,6 +199,7 @@ using V = __m512;
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vset1(float f) { return _mm512_set1_ps(f); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V v) {
@@ -209,7 +210,6 @@ inline float vsum(V v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-constexpr bool kPermuted4 = true;
 template <WeightFormat F>
 inline V loadw(const uint8_t* src, int c) {
   if constexpr (F == WeightFormat::Affine4) {
@@ -361,6 +361,34 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
       }
     }
   });
+}
+
+float dot_f32(const float* a, const float* b, int n) {
+#ifdef LILY_CPU_X86
+  switch (matmul_isa()) {
+    case MatmulIsa::Avx512: return simd_avx512::dot(a, b, n);
+    case MatmulIsa::Avx2: return simd_avx2::dot(a, b, n);
+    default: break;
+  }
+#endif
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy_f32(float a, const float* x, float* y, int n) {
+#ifdef LILY_CPU_X86
+  switch (matmul_isa()) {
+    case MatmulIsa::Avx512: return simd_avx512::axpy(a, x, y, n);
+    case MatmulIsa::Avx2: return simd_avx2::axpy(a, x, y, n);
+    default: break;
+  }
+#endif
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
