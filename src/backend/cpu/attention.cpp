@@ -44,19 +44,14 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
       const int n = p1 - p0;
       scores.resize(static_cast<size_t>(group) * std::max(n, 1));
       const float* q0 = io.q + t * io.q_stride + static_cast<size_t>(kvh) * group * io.q_head_stride;
-      std::fill(mx.begin(), mx.end(), -INFINITY);
-      for (int p = 0; p < n; ++p) {
-        const float* k = io.k_cache + (p0 + p) * kv_row + kvh * hd;
-        for (int g = 0; g < group; ++g) {
-          const float d = dot_f32(q0 + g * io.q_head_stride, k, hd) * scale;
-          scores[static_cast<size_t>(g) * n + p] = d;
-          mx[g] = std::max(mx[g], d);
-        }
-      }
+      attention_scores(q0, io.q_head_stride, group, io.k_cache + p0 * kv_row + kvh * hd, kv_row, n, hd, scale,
+                       scores.data());
       for (int g = 0; g < group; ++g) {
         float* sg = &scores[static_cast<size_t>(g) * n];
-        float sm = 0;
-        for (int p = 0; p < n; ++p) sm += (sg[p] = std::exp(sg[p] - mx[g]));
+        float m = -INFINITY, sm = 0;
+        for (int p = 0; p < n; ++p) m = std::max(m, sg[p]);
+        for (int p = 0; p < n; ++p) sm += (sg[p] = std::exp(sg[p] - m));
+        mx[g] = m;
         sum[g] = sm;
       }
       // Weighted V: into the output (one slice: normalised at once) or the
@@ -67,10 +62,10 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
                            : &parts[((row * splits + s) * group + g) * part + 2];
       };
       for (int g = 0; g < group; ++g) std::fill_n(out_of(g), hd, 0.f);
-      for (int p = 0; p < n; ++p) {
-        const float* v = io.v_cache + (p0 + p) * kv_row + kvh * hd;
-        for (int g = 0; g < group; ++g) axpy_f32(scores[static_cast<size_t>(g) * n + p], v, out_of(g), hd);
-      }
+      // (The heads' outputs are evenly spaced: hd apart in the output row,
+      // part apart in the slices' partials.)
+      attention_values(scores.data(), group, n, io.v_cache + p0 * kv_row + kvh * hd, kv_row, hd, out_of(0),
+                       group > 1 ? static_cast<size_t>(out_of(1) - out_of(0)) : 0);
       for (int g = 0; g < group; ++g) {
         if (splits == 1) {
           const float inv = 1.f / sum[g];

@@ -43,10 +43,14 @@ MatmulIsa matmul_isa();
 void set_matmul_isa(MatmulIsa cap);
 const char* matmul_isa_name(MatmulIsa isa);
 
-// sum a[i] b[i], and y[i] += a x[i], over n floats (with matmul's kernel
-// choice: vector accumulators, so the sum order is not the serial one).
-float dot_f32(const float* a, const float* b, int n);
-void axpy_f32(float a, const float* x, float* y, int n);
+// The attention's two products over a slice of n cached positions for the
+// G query heads of one KV head (matmul's kernel choice; attention.cpp):
+// s[g n + p] = scale q_g . k_p (q_g at q + g q_stride, k_p at k + p kv_row),
+// and o_g += sum_p w[g n + p] v_p (o_g at o + g o_stride).
+void attention_scores(const float* q, size_t q_stride, int G, const float* k, size_t kv_row, int n, int hd,
+                      float scale, float* s);
+void attention_values(const float* w, int G, int n, const float* v, size_t kv_row, int hd, float* o,
+                      size_t o_stride);
 
 // y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y);

@@ -363,32 +363,45 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs) {
   });
 }
 
-float dot_f32(const float* a, const float* b, int n) {
+void attention_scores(const float* q, size_t q_stride, int G, const float* k, size_t kv_row, int n, int hd,
+                      float scale, float* s) {
 #ifdef LILY_CPU_X86
   switch (matmul_isa()) {
-    case MatmulIsa::Avx512: return simd_avx512::dot(a, b, n);
-    case MatmulIsa::Avx2: return simd_avx2::dot(a, b, n);
+    case MatmulIsa::Avx512: return simd_avx512::attn_scores(q, q_stride, G, k, kv_row, n, hd, scale, s);
+    case MatmulIsa::Avx2: return simd_avx2::attn_scores(q, q_stride, G, k, kv_row, n, hd, scale, s);
     default: break;
   }
 #endif
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  for (int p = 0; p < n; ++p)
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * q_stride;
+      const float* kp = k + p * kv_row;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int x = 0;
+      for (; x + 8 <= hd; x += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += qg[x + j] * kp[x + j];
+      float d = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+      for (; x < hd; ++x) d += qg[x] * kp[x];
+      s[size_t(g) * n + p] = d * scale;
+    }
 }
 
-void axpy_f32(float a, const float* x, float* y, int n) {
+void attention_values(const float* w, int G, int n, const float* v, size_t kv_row, int hd, float* o,
+                      size_t o_stride) {
 #ifdef LILY_CPU_X86
   switch (matmul_isa()) {
-    case MatmulIsa::Avx512: return simd_avx512::axpy(a, x, y, n);
-    case MatmulIsa::Avx2: return simd_avx2::axpy(a, x, y, n);
+    case MatmulIsa::Avx512: return simd_avx512::attn_values(w, G, n, v, kv_row, hd, o, o_stride);
+    case MatmulIsa::Avx2: return simd_avx2::attn_values(w, G, n, v, kv_row, hd, o, o_stride);
     default: break;
   }
 #endif
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < n; ++p) {
+      const float wp = w[size_t(g) * n + p];
+      const float* vp = v + p * kv_row;
+      float* og = o + g * o_stride;
+      for (int x = 0; x < hd; ++x) og[x] += wp * vp[x];
+    }
 }
 
 void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
