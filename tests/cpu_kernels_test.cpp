@@ -322,6 +322,29 @@ TEST(Attention, MatchesNaiveCausalGqa) {
   check_attention(9, 0, 4, 4, 40, 3);
 }
 
+// The softmax's exp on every kernel: within a few ulp of std::exp over the
+// range attention scores take (and 0-ish far below), sums included.
+TEST(Attention, ExpShiftSumMatchesStdExp) {
+  std::vector<float> x;
+  for (int i = 0; i < 1003; ++i) x.push_back(-120.f + 120.f * i / 1002);  // to exactly 0
+  for (auto isa : matmul_paths()) {
+    SimdScope scope(isa);
+    for (float m : {0.f, 3.5f}) {
+      std::vector<float> s(x);
+      for (auto& v : s) v += m;
+      const float sum = cpu::exp_shift_sum(s.data(), static_cast<int>(s.size()), m);
+      double want_sum = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        const double want = std::exp(double(x[i]));
+        want_sum += want;
+        if (x[i] >= -87.f) ASSERT_NEAR(s[i], want, 4e-7 * want) << x[i] << " " << cpu::matmul_isa_name(isa);
+        else ASSERT_LT(s[i], 2e-38f);
+      }
+      EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum);
+    }
+  }
+}
+
 // A decode token (and two) over a long context: the positions are split into
 // slices across the threads and merged.
 TEST(Attention, LongContextSlicesMatchNaive) {

@@ -48,11 +48,10 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
                        scores.data());
       for (int g = 0; g < group; ++g) {
         float* sg = &scores[static_cast<size_t>(g) * n];
-        float m = -INFINITY, sm = 0;
+        float m = -INFINITY;
         for (int p = 0; p < n; ++p) m = std::max(m, sg[p]);
-        for (int p = 0; p < n; ++p) sm += (sg[p] = std::exp(sg[p] - m));
         mx[g] = m;
-        sum[g] = sm;
+        sum[g] = exp_shift_sum(sg, n, m);
       }
       // Weighted V: into the output (one slice: normalised at once) or the
       // slice's partial.

@@ -51,6 +51,9 @@ void attention_scores(const float* q, size_t q_stride, int G, const float* k, si
                       float scale, float* s);
 void attention_values(const float* w, int G, int n, const float* v, size_t kv_row, int hd, float* o,
                       size_t o_stride);
+// s[i] = exp(s[i] - m) for i < n, returning their sum (vector exp: within
+// ~2 ulp of std::exp for arguments >= -87, ~1.6e-38 below).
+float exp_shift_sum(float* s, int n, float m);
 
 // y = x / sqrt(mean(x^2) + eps) * weight, over n values (in place allowed).
 void rms_norm(const float* x, const float* weight, int n, float eps, float* y);
