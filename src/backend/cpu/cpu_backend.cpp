@@ -118,17 +118,20 @@ class CpuBackend final : public Backend {
                                   {&A.k, xn, T, size_t(H), k.data(), size_t(kv_dim)},
                                   {&A.v, xn, T, size_t(H), v.data(), size_t(kv_dim)}};
     cpu::matmul_many(pool_, qkv);
+    // One cos / sin table per token for all its heads (the trigonometry
+    // costs more than the rotation).
+    std::vector<float> rc(c_.rotary_dim / 2), rs(rc.size());
     for (int t = 0; t < T; ++t) {
-      const int pos = n_past + t;
+      cpu::rope_table(c_.rotary_dim, n_past + t, c_.rope_theta, rc.data(), rs.data());
       for (int h = 0; h < nh; ++h) {
         float* qh = &q[t * q_dim + h * q_head];
         cpu::rms_norm(qh, A.q_norm.data(), hd, c_.rms_norm_eps, qh);
-        cpu::rope_neox(qh, c_.rotary_dim, pos, c_.rope_theta);
+        cpu::rope_apply(qh, c_.rotary_dim, rc.data(), rs.data());
       }
       for (int h = 0; h < nkv; ++h) {
         float* kh = &k[t * kv_dim + h * hd];
         cpu::rms_norm(kh, A.k_norm.data(), hd, c_.rms_norm_eps, kh);
-        cpu::rope_neox(kh, c_.rotary_dim, pos, c_.rope_theta);
+        cpu::rope_apply(kh, c_.rotary_dim, rc.data(), rs.data());
       }
     }
     cache.k.insert(cache.k.end(), k.begin(), k.end());

@@ -60,6 +60,11 @@ void rms_norm(const float* x, const float* weight, int n, float eps, float* y);
 
 // NeoX ("rotate half") RoPE on the first rotary_dim values of one head.
 void rope_neox(float* head, int rotary_dim, int position, float theta);
+// The same in two steps, so that the heads of a token share one table:
+// cos / sin of each rotary pair's angle (rotary_dim / 2 values each), then
+// the rotation of one head.
+void rope_table(int rotary_dim, int position, float theta, float* cos_out, float* sin_out);
+void rope_apply(float* head, int rotary_dim, const float* cos_in, const float* sin_in);
 
 float silu(float x);
 float sigmoid(float x);

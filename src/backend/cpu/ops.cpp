@@ -1,4 +1,5 @@
 #include <cmath>
+#include <vector>
 
 #include "backend/cpu/kernels.h"
 
@@ -15,18 +16,31 @@ void rms_norm(const float* x, const float* weight, int n, float eps, float* y) {
   for (int i = 0; i < n; ++i) y[i] = x[i] * inv * weight[i];
 }
 
-void rope_neox(float* head, int rotary_dim, int position, float theta) {
+void rope_table(int rotary_dim, int position, float theta, float* cos_out, float* sin_out) {
   const int half = rotary_dim / 2;
   for (int i = 0; i < half; ++i) {
     // inv_freq in f32 as transformers computes it; the angle in f32 too.
     const float inv_freq = static_cast<float>(
         1.0 / std::pow(static_cast<double>(theta), (2.0 * i) / rotary_dim));
     const float angle = static_cast<float>(position) * inv_freq;
-    const float c = std::cos(angle), s = std::sin(angle);
-    const float x1 = head[i], x2 = head[i + half];
-    head[i] = x1 * c - x2 * s;
-    head[i + half] = x2 * c + x1 * s;
+    cos_out[i] = std::cos(angle);
+    sin_out[i] = std::sin(angle);
   }
+}
+
+void rope_apply(float* head, int rotary_dim, const float* c, const float* s) {
+  const int half = rotary_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const float x1 = head[i], x2 = head[i + half];
+    head[i] = x1 * c[i] - x2 * s[i];
+    head[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+void rope_neox(float* head, int rotary_dim, int position, float theta) {
+  std::vector<float> c(rotary_dim / 2), s(rotary_dim / 2);
+  rope_table(rotary_dim, position, theta, c.data(), s.data());
+  rope_apply(head, rotary_dim, c.data(), s.data());
 }
 
 }  // namespace lily::cpu
