@@ -147,22 +147,12 @@ inline V vzero() { return _mm256_setzero_ps(); }
 inline V vset1(float f) { return _mm256_set1_ps(f); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
-// exp(x) for x >= -87 (below, ~1.6e-38): x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by a degree-7 polynomial (Cephes' expf coefficients), times 2^n.
-inline V vexp(V x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  V p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V vround(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p 2^n for integral n with n + 127 in (0, 255).
+inline V vldexp(V p, V n) {
+  return vmul(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
 }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
@@ -217,21 +207,10 @@ inline V vzero() { return _mm512_setzero_ps(); }
 inline V vset1(float f) { return _mm512_set1_ps(f); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
-// exp as simd_avx2::vexp, the power of two by vscalefps.
-inline V vexp(V x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  V p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vround(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+inline V vldexp(V p, V n) { return _mm512_scalef_ps(p, n); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V v) {
