@@ -11,6 +11,7 @@ namespace lily {
 #ifndef LILY_HAVE_CUDA
 std::string cuda_unavailable_reason() { return "lily was built without CUDA (nvcc not found)"; }
 bool cuda_device_available() { return false; }
+bool cuda_device_present() { return false; }
 #endif
 
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
@@ -20,12 +21,8 @@ namespace {
 // that is there but unusable is worth one line (the user may expect it).
 std::string resolve_auto() {
   const std::string kind = default_backend_kind();
-#ifdef LILY_HAVE_CUDA
-  if (kind == "cpu") {
-    const std::string why = cuda_unavailable_reason();
-    if (why.rfind("no CUDA device", 0) != 0) std::fprintf(stderr, "lily: using the cpu backend: %s\n", why.c_str());
-  }
-#endif
+  if (kind == "cpu" && cuda_device_present())
+    std::fprintf(stderr, "lily: using the cpu backend: %s\n", cuda_unavailable_reason().c_str());
   return kind;
 }
 }  // namespace

@@ -19,7 +19,8 @@ namespace lily::cpu {
 
 namespace {
 
-inline float load_scale(const uint8_t* p, DType dt, size_t i) {
+// Element i of an array of f32, f16 or bf16 values (scales, biases, weights).
+inline float load_value(const uint8_t* p, DType dt, size_t i) {
   uint16_t h;
   switch (dt) {
     case DType::F32: {
@@ -69,8 +70,8 @@ void dequantize_row(const Matrix& w, int row, float* out) {
       const size_t groups = w.groups_per_row();
       const size_t g0 = groups * row;
       for (size_t g = 0; g < groups; ++g) {
-        const float scale = load_scale(w.scales, w.scale_dtype, g0 + g);
-        const float bias = load_scale(w.biases, w.scale_dtype, g0 + g);
+        const float scale = load_value(w.scales, w.scale_dtype, g0 + g);
+        const float bias = load_value(w.biases, w.scale_dtype, g0 + g);
         const int base = static_cast<int>(g) * w.group_size;
         for (int i = 0; i < w.group_size; i += per_word) {
           uint32_t word;
@@ -87,6 +88,18 @@ void dequantize_row(const Matrix& w, int row, float* out) {
 
 namespace {
 
+// sum a[i] b[i] over n floats, portably: eight partial sums let the
+// compiler vectorise without -ffast-math.
+float dot_portable(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[c + j] * b[c + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
 // The portable path: each weight row expanded once into a per-thread buffer
 // and reused across the T input rows.
 void rows_generic(const Matrix& w, const float* x, int T, size_t x_stride, size_t r0, size_t r1, float* y,
@@ -97,32 +110,14 @@ void rows_generic(const Matrix& w, const float* x, int T, size_t x_stride, size_
   for (size_t r = r0; r < r1; ++r) {
     dequantize_row(w, static_cast<int>(r), row.data());
     const float* wr = row.data();
-    for (int t = 0; t < T; ++t) {
-      const float* xt = x + t * x_stride;
-      // Eight partial sums let the compiler vectorise without -ffast-math.
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int c = 0;
-      for (; c + 8 <= cols; c += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += wr[c + j] * xt[c + j];
-      float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; c < cols; ++c) s += wr[c] * xt[c];
-      y[t * y_stride + r] = s;
-    }
+    for (int t = 0; t < T; ++t) y[t * y_stride + r] = dot_portable(wr, x + t * x_stride, cols);
   }
 }
 
-// One weight value of a row at column c (the unquantized formats' tails).
+// One weight value of an unquantized row at column c (the SIMD rows' tails).
 template <WeightFormat F>
 inline float load1(const uint8_t* src, int c) {
-  uint16_t h;
-  if constexpr (F == WeightFormat::F32) {
-    float f;
-    std::memcpy(&f, src + 4 * size_t(c), 4);
-    return f;
-  } else {
-    std::memcpy(&h, src + 2 * size_t(c), 2);
-    return F == WeightFormat::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-  }
+  return load_value(src, F == WeightFormat::F32 ? DType::F32 : F == WeightFormat::F16 ? DType::F16 : DType::BF16, c);
 }
 
 }  // namespace
@@ -384,17 +379,7 @@ void attention_scores(const float* q, size_t q_stride, int G, const float* k, si
   }
 #endif
   for (int p = 0; p < n; ++p)
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * q_stride;
-      const float* kp = k + p * kv_row;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int x = 0;
-      for (; x + 8 <= hd; x += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += qg[x + j] * kp[x + j];
-      float d = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-      for (; x < hd; ++x) d += qg[x] * kp[x];
-      s[size_t(g) * n + p] = d * scale;
-    }
+    for (int g = 0; g < G; ++g) s[size_t(g) * n + p] = dot_portable(q + g * q_stride, k + p * kv_row, hd) * scale;
 }
 
 void attention_values(const float* w, int G, int n, const float* v, size_t kv_row, int hd, float* o,

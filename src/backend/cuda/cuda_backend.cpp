@@ -61,6 +61,16 @@ std::string cuda_unavailable_reason() {
 
 bool cuda_device_available() { return cuda_unavailable_reason().empty(); }
 
+bool cuda_device_present() {
+  static const bool present = [] {
+    int n = 0;
+    const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    cudaGetLastError();
+    return ok;
+  }();
+  return present;
+}
+
 namespace cuda {
 
 CudaOptions options_from_env() {

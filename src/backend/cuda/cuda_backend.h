@@ -22,6 +22,8 @@ bool cuda_device_available();
 // Why not (empty when it is): no CUDA in the build, no device, or a device
 // the kernels were not compiled for, named with its compute capability.
 std::string cuda_unavailable_reason();
+// Whether a CUDA device is there at all, usable or not.
+bool cuda_device_present();
 // "cuda" when a GPU lily can run on is present, else "cpu" (make_backend
 // accepts "auto").
 // Defined in backend.cpp; belongs in backend.h once that header takes it.
