@@ -973,10 +973,12 @@ TEST(ServerEngine, GeneratorReproducesReferenceAndReusesPrefix) {
   EXPECT_EQ(a.result.completion_tokens, n);
   EXPECT_EQ(a.result.cached_tokens, 0);
 
-  // The same prompt again: served from the snapshot taken after the prefill.
+  // The same prompt again: the live sequence (prompt + reply), cut back to
+  // the prompt's first 15 tokens (the 16th runs again for its logits).
+  ASSERT_TRUE(t.model.backend->can_truncate()) << "a Qwen3 model has no DeltaNet state";
   Collected b = run(g, greedy(t.prompt, n));
   EXPECT_EQ(b.ids, t.reference);
-  EXPECT_EQ(b.result.cached_tokens, 16);
+  EXPECT_EQ(b.result.cached_tokens, 15);
 
   // A follow-up that extends prompt + reply reuses the live sequence.
   std::vector<int> follow = t.prompt;
@@ -990,20 +992,29 @@ TEST(ServerEngine, GeneratorReproducesReferenceAndReusesPrefix) {
   EXPECT_EQ(c2.result.cached_tokens, 0);
   EXPECT_EQ(c.ids, c2.ids);
 
-  // A new conversation: the slot held the follow-up, so nothing is reused.
+  // Back to the first prompt: the follow-up's sequence starts with it.
   Collected d = run(g, greedy(t.prompt, 2));
-  EXPECT_EQ(d.result.cached_tokens, 0);
+  EXPECT_EQ(d.result.cached_tokens, 15);
   EXPECT_EQ(d.ids, std::vector<int>(t.reference.begin(), t.reference.begin() + 2));
   // Diverging from the reply (as when the reasoning is stripped from the
-  // history): back to the snapshot of the prompt.
+  // history): the prompt is reused whole.
   std::vector<int> diverge = t.prompt;
   diverge.push_back(9707);
   ASSERT_NE(t.reference[0], 9707);
   Collected d2 = run(g, greedy(diverge, 2));
   EXPECT_EQ(d2.result.cached_tokens, 16);
+  // Another conversation sharing only the chat template's first tokens.
   std::vector<int> other = {151644, 872, 198, 9707};
+  ASSERT_EQ(engine::common_prefix(other, t.prompt), 3u);
   Collected e = run(g, greedy(other, 2));
-  EXPECT_EQ(e.result.cached_tokens, 0) << "single slot: only whole-slot or whole-snapshot prefixes";
+  EXPECT_EQ(e.result.cached_tokens, 3);
+  Collected e2 = run(fresh, greedy(other, 2));
+  EXPECT_EQ(e.ids, e2.ids);
+  // The follow-up conversation was parked when `other` cut the live
+  // sequence back: continuing it reuses all it had fed.
+  Collected c3 = run(g, greedy(follow, 4));
+  EXPECT_EQ(c3.result.cached_tokens, static_cast<int>(follow.size()) - 1);
+  EXPECT_EQ(c3.ids, c2.ids);
 }
 
 TEST(ServerEngine, GeneratorStopsAndCancels) {

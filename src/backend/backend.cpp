@@ -14,6 +14,12 @@ bool cuda_device_available() { return false; }
 bool cuda_device_present() { return false; }
 #endif
 
+bool Backend::can_truncate() const {
+  for (LayerKind k : config().layer_kinds)
+    if (k != LayerKind::FullAttention) return false;
+  return true;
+}
+
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
 namespace {

@@ -19,8 +19,11 @@ class SequenceCache {
  public:
   virtual ~SequenceCache() = default;
   int n_past() const { return n_past_; }
-  // A deep copy (for snapshots: prefix reuse, speculative rollback).
+  // A deep copy holding only what its positions need (KV rows [0, n_past)
+  // and the recurrent state), for snapshots: prefix reuse, rollback. Its
+  // memory grows on demand like any cache's.
   virtual std::unique_ptr<SequenceCache> clone() const = 0;
+  // Memory the cache holds now.
   virtual size_t bytes() const = 0;
 
  protected:
@@ -41,6 +44,18 @@ class Backend {
   // One token runs the decode path; more run the prefill path.
   virtual void forward(SequenceCache& cache, std::span<const int> tokens, LogitsMode mode,
                        float* logits) = 0;
+
+  // Makes `dst` hold the same state as `src` (positions [0, src.n_past())),
+  // reusing dst's memory where it is large enough (and, on cuda, the decode
+  // graph captured for it). Both caches come from this backend.
+  virtual void copy_cache(const SequenceCache& src, SequenceCache& dst) = 0;
+  // Drops positions [n, n_past), keeping the memory. n == 0 works for every
+  // model and always clears the recurrent state; 0 < n < n_past only where
+  // no layer carries recurrent state (can_truncate()), since a DeltaNet
+  // state cannot be rolled back. Fails otherwise.
+  virtual void truncate(SequenceCache& cache, int n) = 0;
+  // Whether truncate() takes any n: the model has no DeltaNet layers.
+  bool can_truncate() const;
 };
 
 struct BackendOptions {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 
 #include "core/error.h"
 #include "text/detokenizer.h"
@@ -16,19 +17,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
-}
-
-bool starts_with(const std::vector<int>& whole, const std::vector<int>& prefix) {
-  return prefix.size() <= whole.size() && std::equal(prefix.begin(), prefix.end(), whole.begin());
-}
-
-// Bytes of model state per position, as the CPU backend stores it (f32 K and V
-// for every attention layer). Only used to decide whether a snapshot is
-// affordable; DeltaNet state is a constant on top.
-size_t kv_bytes_per_position(const ModelConfig& c) {
-  size_t attn = 0;
-  for (auto k : c.layer_kinds) attn += k == LayerKind::FullAttention;
-  return attn * 2 * static_cast<size_t>(c.num_kv_heads) * c.head_dim * sizeof(float);
 }
 
 }  // namespace
@@ -49,55 +37,100 @@ Generator::Generator(Backend& backend, const text::Tokenizer& tokenizer, int con
     : backend_(backend), tokenizer_(tokenizer), context_(context), seq_(backend, context) {}
 
 void Generator::reset() {
-  if (seq_.size() > 0) seq_.reset();
-  snap_.reset();
-  snap_logits_.clear();
+  seq_.reset();
+  cache_.clear();
+}
+
+bool Generator::feed(const std::vector<int>& prompt, size_t end, std::vector<float>& logits,
+                     const std::atomic<bool>* cancel) {
+  size_t pos = static_cast<size_t>(seq_.size());
+  const size_t chunk = static_cast<size_t>(std::max(1, prefill_chunk));
+  while (pos < end) {
+    if (cancel && cancel->load()) return false;
+    const size_t n = std::min(chunk, end - pos);
+    logits = seq_.append(std::span<const int>(prompt.data() + pos, n));
+    pos += n;
+  }
+  return true;
+}
+
+void Generator::keep_live(std::vector<float> logits) {
+  if (!cache_.enabled() || seq_.size() == 0) return;
+  if (cache_.covers(seq_.tokens(), backend_.can_truncate())) return;
+  try {
+    Sequence::Snapshot snap = seq_.snapshot();
+    cache_.insert(std::move(snap.tokens), std::move(snap.cache), std::move(logits));
+  } catch (const lily::Error&) {
+    // No memory for the copy (e.g. on the GPU): go on without keeping it.
+  } catch (const std::bad_alloc&) {
+  }
 }
 
 std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& prompt, bool reuse,
                                                      int& cached, const std::atomic<bool>* cancel) {
   cached = 0;
+  const size_t P = prompt.size();
+  const bool cut = backend_.can_truncate();
   std::vector<float> logits;
-  bool have_logits = false;
-  if (reuse && seq_.size() > 0 && seq_.size() < static_cast<int>(prompt.size()) &&
-      starts_with(prompt, seq_.tokens())) {
-    cached = seq_.size();
-  } else if (reuse && snap_ && !snap_->tokens.empty() && starts_with(prompt, snap_->tokens)) {
-    seq_.restore(*snap_);
-    cached = seq_.size();
-    if (cached == static_cast<int>(prompt.size())) {
-      logits = snap_logits_;
-      have_logits = true;
+
+  // The live sequence is cut back or dropped unless the prompt extends it:
+  // keep its state first (another conversation may continue it).
+  const size_t live_common = common_prefix(seq_.tokens(), prompt);
+  if (!reuse || live_common < static_cast<size_t>(seq_.size())) keep_live({});
+
+  // How far the live sequence and the kept states reach into the prompt.
+  // A start shorter than the prompt leaves a token to run for the logits.
+  size_t live_use = 0, entry_use = 0, kept_common = 0;
+  const PrefixCache::Entry* entry = nullptr;
+  if (reuse) {
+    if (cut) live_use = std::min(live_common, P - 1);
+    else if (live_common == static_cast<size_t>(seq_.size()) && live_common < P) live_use = live_common;
+    const auto [common_entry, common_len] = cache_.find_common(prompt);
+    kept_common = common_len;
+    if (cut) {
+      entry = common_entry;
+      const bool whole = entry && common_len == P && entry->tokens.size() == P && !entry->logits.empty();
+      entry_use = whole ? P : std::min(common_len, P - 1);
+    } else if ((entry = cache_.find_prefix(prompt))) {
+      entry_use = entry->tokens.size();
     }
-  } else if (seq_.size() > 0) {
-    seq_.reset();
-  }
-  if (!reuse) {
-    snap_.reset();
-    snap_logits_.clear();
   }
 
-  size_t pos = static_cast<size_t>(seq_.size());
-  const size_t chunk = static_cast<size_t>(std::max(1, prefill_chunk));
-  while (pos < prompt.size()) {
-    if (cancel && cancel->load()) return std::nullopt;
-    const size_t n = std::min(chunk, prompt.size() - pos);
-    logits = seq_.append(std::span<const int>(prompt.data() + pos, n));
-    pos += n;
+  bool have_logits = false;
+  if (entry && entry_use > live_use) {
+    seq_.restore(entry->tokens, *entry->state);
+    if (entry_use < entry->tokens.size()) seq_.truncate(static_cast<int>(entry_use));
+    if (entry_use == P) {
+      logits = entry->logits;
+      have_logits = true;
+    }
+    cached = static_cast<int>(entry_use);
+  } else if (live_use > 0) {
+    seq_.truncate(static_cast<int>(live_use));
+    cached = static_cast<int>(live_use);
+  } else {
+    seq_.reset();
+  }
+
+  // A hybrid model reuses a state only at its exact length: where this
+  // prompt leaves a kept sequence (or the live one), keep a state for the
+  // next prompt that shares the same beginning.
+  const size_t branch = std::max(kept_common, live_common);
+  if (reuse && !cut && branch > static_cast<size_t>(seq_.size()) && branch < P &&
+      branch >= static_cast<size_t>(std::max(1, branch_min_tokens))) {
+    if (!feed(prompt, branch, logits, cancel)) return std::nullopt;
+    keep_live(logits);
+  }
+  if (static_cast<size_t>(seq_.size()) < P) {
+    if (!feed(prompt, P, logits, cancel)) return std::nullopt;
     have_logits = true;
   }
   if (!have_logits) fail("internal: no logits after prefill");
 
-  // Keep the state at the end of this prompt for a later request.
-  const bool affordable =
-      kv_bytes_per_position(backend_.config()) * prompt.size() <= snapshot_budget_bytes;
-  if (reuse && affordable && !(snap_ && snap_->tokens == prompt)) {
-    snap_ = seq_.snapshot();
-    snap_logits_ = logits;
-  } else if (!affordable) {
-    snap_.reset();
-    snap_logits_.clear();
-  }
+  // Keep the state at the end of this prompt for a follow-up or a
+  // regenerate (a pure-attention model's live sequence serves both once
+  // parked, cut back).
+  if (reuse && !cut) keep_live(logits);
   return logits;
 }
 

@@ -1,17 +1,23 @@
 // The request-level generation loop: prompt tokens + sampling parameters +
 // stop conditions in, a stream of token / text events out.
 //
-// A Generator owns one Sequence (one slot) and runs one request at a time on
-// the calling thread. Between requests it keeps the model state of the last
-// conversation, so that a request whose prompt extends what the slot holds
-// (the previous prompt + reply, as a chat follow-up renders it) only runs the
-// new tokens. Two candidates are tried, longest first:
-//   * the live sequence (previous prompt + generated tokens fed so far);
-//   * a snapshot taken right after the previous prompt's prefill (so a
-//     follow-up whose rendering of the reply differs from the generated
-//     tokens, e.g. with the reasoning stripped, or a regenerate of the same
-//     prompt, still reuses the prompt). The snapshot is skipped when the
-//     cache is larger than snapshot_budget_bytes.
+// A Generator owns one Sequence (the live slot) and runs one request at a
+// time on the calling thread. Between requests it keeps model states in a
+// prefix cache (engine/prefix_cache.h, bounded in bytes and entries), so
+// that a request only runs what no kept state covers:
+//   * the live sequence (previous prompt + generated tokens fed so far), for
+//     a follow-up turn that extends it;
+//   * a state kept right after each prompt's prefill, for a follow-up whose
+//     rendering of the reply differs from the generated tokens (e.g. with
+//     the reasoning stripped) and for a regenerate of the same prompt;
+//   * a state kept where two prompts diverged (a branch point), so that
+//     requests sharing a preamble (system prompt, tool definitions) reuse
+//     it from the third on: the prefill of the second stops there first;
+//   * the live sequence of another conversation, parked in the cache when a
+//     request switched away from it.
+// Models without DeltaNet layers reuse any common prefix of any kept state
+// (a KV cache can be cut back); hybrid models need a state at exactly the
+// reused length, which is why branch points are kept for them.
 // The reused length is reported as cached_tokens. Greedy and seeded
 // generations are reproducible with or without reuse up to floating-point
 // differences between one prefill and several (the same math, other chunks).
@@ -36,6 +42,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "engine/prefix_cache.h"
 #include "engine/sampler.h"
 #include "engine/sequence.h"
 
@@ -92,8 +99,13 @@ class Generator {
   Generator(Backend& backend, const text::Tokenizer& tokenizer, int context);
 
   int context() const { return context_; }
-  size_t snapshot_budget_bytes = size_t{1} << 30;
   int prefill_chunk = 512;  // tokens per forward during prefill (cancellation points)
+  // A branch point is kept only where at least this many tokens are shared.
+  int branch_min_tokens = 64;
+  // Limits of the prefix cache (default 1 GiB, 32 entries; 0 bytes or
+  // entries: only the live sequence is reused).
+  void set_prefix_cache(size_t budget_bytes, int max_entries) { cache_.configure(budget_bytes, max_entries); }
+  const PrefixCache& prefix_cache() const { return cache_; }
 
   // Runs one generation. Throws lily::Error on an invalid request (prompt
   // empty or beyond the context, bad token ids, bad sampling parameters)
@@ -102,7 +114,7 @@ class Generator {
   GenerationResult generate(const GenerationParams& params, const EventFn& on_event,
                             const std::atomic<bool>* cancel = nullptr);
 
-  // Forgets the kept state.
+  // Forgets the kept states.
   void reset();
   // Tokens the live slot holds (for tests).
   const std::vector<int>& slot_tokens() const { return seq_.tokens(); }
@@ -117,12 +129,18 @@ class Generator {
                        std::chrono::steady_clock::time_point t0, const EventFn& on_event,
                        const std::atomic<bool>* cancel);
 
+  // Runs prompt[seq_.size(), end) in chunks; false if cancelled.
+  bool feed(const std::vector<int>& prompt, size_t end, std::vector<float>& logits,
+            const std::atomic<bool>* cancel);
+  // Keeps a copy of the live sequence's state in the cache (with the logits
+  // after its last token, if given) unless a kept state already covers it.
+  void keep_live(std::vector<float> logits);
+
   Backend& backend_;
   const text::Tokenizer& tokenizer_;
   int context_;
   Sequence seq_;
-  std::optional<Sequence::Snapshot> snap_;
-  std::vector<float> snap_logits_;
+  PrefixCache cache_{size_t{1} << 30, 32};
 };
 
 }  // namespace lily::engine

@@ -28,14 +28,26 @@ std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode
 
 Sequence::Snapshot Sequence::snapshot() const { return {tokens_, cache_->clone()}; }
 
-void Sequence::restore(const Snapshot& s) {
-  tokens_ = s.tokens;
-  cache_ = s.cache->clone();
+void Sequence::restore(const std::vector<int>& tokens, const SequenceCache& cache) {
+  if (static_cast<int>(tokens.size()) != cache.n_past())
+    fail("internal: a snapshot of ", tokens.size(), " tokens holds ", cache.n_past(), " positions");
+  if (cache.n_past() > max_positions_)
+    fail("internal: a snapshot of ", cache.n_past(), " positions exceeds the context limit of ", max_positions_);
+  tokens_.clear();  // a failed copy leaves an empty sequence, not a half-copied one
+  backend_.copy_cache(cache, *cache_);
+  tokens_ = tokens;
+}
+
+void Sequence::truncate(int n) {
+  if (n < 0 || n > size()) fail("internal: truncating ", size(), " tokens to ", n);
+  if (n == size()) return;
+  backend_.truncate(*cache_, n);
+  tokens_.resize(static_cast<size_t>(n));
 }
 
 void Sequence::reset() {
   tokens_.clear();
-  cache_ = backend_.new_cache(max_positions_);
+  backend_.truncate(*cache_, 0);  // also clears what a failed step or copy left
 }
 
 int argmax(std::span<const float> logits) {

@@ -1,7 +1,8 @@
 // One sequence's state as the engine owns it: the tokens it holds and the
 // backend cache for them (KV for attention layers, recurrent + conv state for
 // DeltaNet layers). Snapshots are deep copies: DeltaNet state cannot be
-// truncated the way a KV cache can, so rolling back means restoring one.
+// truncated the way a KV cache can, so rolling back a hybrid model means
+// restoring one; a pure-attention model's sequence can also be truncated.
 #pragma once
 
 #include <memory>
@@ -30,8 +31,15 @@ class Sequence {
     std::vector<int> tokens;
     std::unique_ptr<SequenceCache> cache;
   };
+  // A compact deep copy of the state.
   Snapshot snapshot() const;
-  void restore(const Snapshot& s);
+  // Takes the snapshot's state (copied into this sequence's memory).
+  void restore(const Snapshot& s) { restore(s.tokens, *s.cache); }
+  void restore(const std::vector<int>& tokens, const SequenceCache& cache);
+  // Keeps the first n tokens: any n for models without DeltaNet layers
+  // (Backend::can_truncate), else only 0 (see reset).
+  void truncate(int n);
+  // Empties the sequence, keeping its memory.
   void reset();
 
  private:

@@ -39,6 +39,7 @@ class CpuCache final : public SequenceCache {
     return n;
   }
   void advance(int n) { n_past_ += n; }
+  void set_n_past(int n) { n_past_ = n; }
 };
 
 class CpuBackend final : public Backend {
@@ -65,6 +66,40 @@ class CpuBackend final : public Backend {
       }
     }
     return cache;
+  }
+
+  void copy_cache(const SequenceCache& src_base, SequenceCache& dst_base) override {
+    const auto& src = dynamic_cast<const CpuCache&>(src_base);
+    auto& dst = dynamic_cast<CpuCache&>(dst_base);
+    if (&src == &dst) return;
+    if (dst.layers.size() != src.layers.size()) fail("copy_cache: caches of different models");
+    for (size_t i = 0; i < src.layers.size(); ++i) {
+      // assign() keeps dst's reserved capacity when it is large enough.
+      dst.layers[i].k.assign(src.layers[i].k.begin(), src.layers[i].k.end());
+      dst.layers[i].v.assign(src.layers[i].v.begin(), src.layers[i].v.end());
+      dst.layers[i].state.assign(src.layers[i].state.begin(), src.layers[i].state.end());
+      dst.layers[i].conv.assign(src.layers[i].conv.begin(), src.layers[i].conv.end());
+    }
+    dst.set_n_past(src.n_past());
+  }
+
+  void truncate(SequenceCache& base, int n) override {
+    auto& cache = dynamic_cast<CpuCache&>(base);
+    if (n < 0 || n > cache.n_past())
+      fail("truncate: position ", n, " is outside [0, ", cache.n_past(), "]");
+    if (n > 0 && n == cache.n_past()) return;
+    if (n > 0 && !can_truncate())
+      fail("truncate: a DeltaNet state cannot be rolled back to position ", n);
+    const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
+    for (auto& L : cache.layers) {
+      if (!L.k.empty() || !L.v.empty()) {
+        L.k.resize(row * static_cast<size_t>(n));
+        L.v.resize(row * static_cast<size_t>(n));
+      }
+      std::fill(L.state.begin(), L.state.end(), 0.f);
+      std::fill(L.conv.begin(), L.conv.end(), 0.f);
+    }
+    cache.set_n_past(n);
   }
 
   void forward(SequenceCache& base, std::span<const int> tokens, LogitsMode mode,

@@ -183,29 +183,65 @@ class CudaCache final : public SequenceCache {
   void set_n_past(int n) { n_past_ = n; }
   void advance(int n) { n_past_ += n; }
 
-  std::unique_ptr<SequenceCache> clone() const override {
-    LILY_CUDA(cudaDeviceSynchronize());
-    auto c = std::make_unique<CudaCache>();
-    c->capacity = capacity;
-    c->kv = kv;
-    c->nkv = nkv;
-    c->hd = hd;
-    c->layer_kv_heads = layer_kv_heads;
-    auto copy = [](const std::vector<DeviceBuffer>& src, std::vector<DeviceBuffer>& dst) {
-      dst.resize(src.size());
-      for (size_t i = 0; i < src.size(); ++i) {
-        if (!src[i]) continue;
-        dst[i].alloc(src[i].bytes());
-        LILY_CUDA(cudaMemcpy(dst[i].get(), src[i].get(), src[i].bytes(), cudaMemcpyDeviceToDevice));
+  // Buffers of the same layout as this cache's, with room for `cap` positions
+  // (KV rows zeroed: the attention reads whole tiles, masked, so rows past
+  // the end must hold finite values).
+  void alloc_like(const CudaCache& o, int cap, cudaStream_t s) {
+    capacity = cap;
+    kv = o.kv;
+    nkv = o.nkv;
+    hd = o.hd;
+    layer_kv_heads = o.layer_kv_heads;
+    k.resize(o.k.size());
+    v.resize(o.v.size());
+    state.resize(o.state.size());
+    conv.resize(o.conv.size());
+    for (size_t l = 0; l < o.k.size(); ++l) {
+      for (auto [src, dst] : {std::pair{&o.k[l], &k[l]}, std::pair{&o.v[l], &v[l]}}) {
+        if (!*src) continue;
+        dst->alloc(kv_buffer_bytes(cap));
+        LILY_CUDA(cudaMemsetAsync(dst->get(), 0, dst->bytes(), s));
       }
-    };
-    copy(k, c->k);
-    copy(v, c->v);
-    copy(state, c->state);
-    copy(conv, c->conv);
-    c->ctrl.alloc(ctrl.bytes());
-    LILY_CUDA(cudaMemcpy(c->ctrl.get(), ctrl.get(), ctrl.bytes(), cudaMemcpyDeviceToDevice));
-    c->n_past_ = n_past_;
+      if (o.state[l]) state[l].alloc(o.state[l].bytes());
+      if (o.conv[l]) conv[l].alloc(o.conv[l].bytes());
+    }
+    ctrl.alloc(o.ctrl.bytes());
+  }
+
+  // Copies o's state into this cache (same layout, capacity >= o.n_past()):
+  // KV rows [0, n_past), recurrent and conv state, the control block
+  // (whose position is the next token's), all on stream `s`.
+  void copy_from(const CudaCache& o, cudaStream_t s) {
+    if (kv != o.kv || nkv != o.nkv || hd != o.hd || k.size() != o.k.size() || capacity < o.n_past())
+      fail("cuda backend: copy between caches of different layouts");
+    const int n = o.n_past();
+    const size_t row = row_bytes();
+    for (size_t l = 0; l < o.k.size(); ++l) {
+      for (auto [src, dst] : {std::pair{&o.k[l], &k[l]}, std::pair{&o.v[l], &v[l]}}) {
+        if (!*src || n == 0) continue;
+        LILY_CUDA(cudaMemcpy2DAsync(dst->get(), size_t(capacity) * row, src->get(), size_t(o.capacity) * row,
+                                    size_t(n) * row, nkv, cudaMemcpyDeviceToDevice, s));
+        if (kv == KvType::Q8)
+          LILY_CUDA(cudaMemcpy2DAsync(scales(*dst), size_t(q8_scale_stride(capacity)) * 4, o.scales(*src),
+                                      size_t(q8_scale_stride(o.capacity)) * 4, size_t(n) * 4, nkv,
+                                      cudaMemcpyDeviceToDevice, s));
+      }
+      if (o.state[l])
+        LILY_CUDA(cudaMemcpyAsync(state[l].get(), o.state[l].get(), o.state[l].bytes(), cudaMemcpyDeviceToDevice, s));
+      if (o.conv[l])
+        LILY_CUDA(cudaMemcpyAsync(conv[l].get(), o.conv[l].get(), o.conv[l].bytes(), cudaMemcpyDeviceToDevice, s));
+    }
+    LILY_CUDA(cudaMemcpyAsync(ctrl.get(), o.ctrl.get(), ctrl.bytes(), cudaMemcpyDeviceToDevice, s));
+    n_past_ = n;
+  }
+
+  // Compact: room for the positions it holds (at least 16); grows on demand.
+  std::unique_ptr<SequenceCache> clone() const override {
+    LILY_CUDA(cudaDeviceSynchronize());  // the backend's stream is done with this cache
+    auto c = std::make_unique<CudaCache>();
+    c->alloc_like(*this, std::max(n_past_, 16), nullptr);
+    c->copy_from(*this, nullptr);
+    LILY_CUDA(cudaDeviceSynchronize());
     return c;
   }
   size_t bytes() const override {
@@ -418,6 +454,9 @@ struct CudaBackend::Impl {
     }
     cache.ctrl.alloc(sizeof(DecodeCtrl));
     LILY_CUDA(cudaMemset(cache.ctrl.get(), 0, sizeof(DecodeCtrl)));
+    // The memsets ran on the legacy stream, which the backend's non-blocking
+    // stream does not wait for.
+    LILY_CUDA(cudaDeviceSynchronize());
   }
 
   // Grows the KV capacity, keeping rows [0, n_past).
@@ -431,16 +470,17 @@ struct CudaBackend::Impl {
       if (c.layer_kinds[l] != LayerKind::FullAttention) continue;
       for (DeviceBuffer* b : {&cache.k[l], &cache.v[l]}) {
         DeviceBuffer nb(cache.kv_buffer_bytes(cap));
-        LILY_CUDA(cudaMemset(nb.get(), 0, nb.bytes()));
+        LILY_CUDA(cudaMemsetAsync(nb.get(), 0, nb.bytes(), stream));
         if (cache.n_past() > 0) {
-          LILY_CUDA(cudaMemcpy2D(nb.get(), cap * row, b->get(), cache.capacity * row,
-                                 size_t(cache.n_past()) * row, c.num_kv_heads,
-                                 cudaMemcpyDeviceToDevice));
+          LILY_CUDA(cudaMemcpy2DAsync(nb.get(), cap * row, b->get(), cache.capacity * row,
+                                      size_t(cache.n_past()) * row, c.num_kv_heads,
+                                      cudaMemcpyDeviceToDevice, stream));
           if (cache.kv == KvType::Q8)
-            LILY_CUDA(cudaMemcpy2D(static_cast<char*>(nb.get()) + cache.rows_bytes(cap), s_new,
-                                   cache.scales(*b), s_old, size_t(cache.n_past()) * 4, c.num_kv_heads,
-                                   cudaMemcpyDeviceToDevice));
+            LILY_CUDA(cudaMemcpy2DAsync(static_cast<char*>(nb.get()) + cache.rows_bytes(cap), s_new,
+                                        cache.scales(*b), s_old, size_t(cache.n_past()) * 4, c.num_kv_heads,
+                                        cudaMemcpyDeviceToDevice, stream));
         }
+        LILY_CUDA(cudaStreamSynchronize(stream));  // before the old buffer is freed
         *b = std::move(nb);
       }
     }
@@ -1310,6 +1350,37 @@ void CudaBackend::forward(SequenceCache& base, std::span<const int> tokens, Logi
   }
   LILY_CUDA(cudaStreamSynchronize(m.stream));
   cache.advance(T);
+}
+
+void CudaBackend::copy_cache(const SequenceCache& src_base, SequenceCache& dst_base) {
+  Impl& m = *impl_;
+  const auto& src = dynamic_cast<const CudaCache&>(src_base);
+  auto& dst = dynamic_cast<CudaCache&>(dst_base);
+  if (&src == &dst) return;
+  LILY_CUDA(cudaDeviceSynchronize());  // nothing in flight reads or writes either cache
+  dst.set_n_past(0);                   // grows without copying rows about to be overwritten
+  m.ensure_capacity(dst, src.n_past());
+  dst.copy_from(src, m.stream);
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+}
+
+void CudaBackend::truncate(SequenceCache& base, int n) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  if (n < 0 || n > cache.n_past()) fail("truncate: position ", n, " is outside [0, ", cache.n_past(), "]");
+  if (n > 0 && n == cache.n_past()) return;
+  if (n > 0 && !can_truncate()) fail("truncate: a DeltaNet state cannot be rolled back to position ", n);
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  for (const auto* vec : {&cache.state, &cache.conv})
+    for (const auto& b : *vec)
+      if (b) LILY_CUDA(cudaMemsetAsync(b.get(), 0, b.bytes(), m.stream));
+  // The control block at the next position (the KV rows past it are
+  // overwritten before they are read).
+  DecodeCtrl ctrl{};
+  ctrl.pos = n;
+  LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), &ctrl, sizeof ctrl, cudaMemcpyHostToDevice, m.stream));
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  cache.set_n_past(n);
 }
 
 void CudaBackend::bench_fill(SequenceCache& base, int ctx, uint64_t seed) {

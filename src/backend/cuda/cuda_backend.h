@@ -92,6 +92,8 @@ class CudaBackend : public Backend {
   std::unique_ptr<SequenceCache> new_cache(int max_positions) override;
   void forward(SequenceCache& cache, std::span<const int> tokens, LogitsMode mode,
                float* logits) override;
+  void copy_cache(const SequenceCache& src, SequenceCache& dst) override;
+  void truncate(SequenceCache& cache, int n) override;
 
   // ---- benchmark hooks ----
   // Puts the cache at position `ctx` as if a prompt of that length had been
