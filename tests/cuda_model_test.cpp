@@ -39,6 +39,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/kernels.h"
+#include "core/error.h"
 #include "cuda_test_util.h"
 #include "engine/sequence.h"
 #include "fixture_util.h"
@@ -353,6 +354,55 @@ TEST(CudaModel, CacheGrowthAndSnapshots) {
   g.forward(*snap, std::span<const int>(ref.prompt.data() + 40, 3), LogitsMode::All, c2.data());
   EXPECT_EQ(c1, c2);
   EXPECT_EQ(snap->n_past(), 43);
+  }
+}
+
+// The prefix cache's operations: a compact snapshot, copies into caches of
+// another capacity (one that keeps its captured graph, one that grows), a
+// reset, and a cut-back of a pure-attention cache (refused for a hybrid one)
+// all continue exactly as the original cache does.
+TEST(CudaModel, CacheCopiesAndTruncation) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (const char* fixture : {"qwen3_5_moe", "qwen3"}) {
+    auto ref = load_reference(fixture, "long");
+    ASSERT_GE(ref.prompt.size(), 43u);
+    for (cuda::KvType kv : {cuda::KvType::F32, cuda::KvType::Q8}) {
+      SCOPED_TRACE(std::string(fixture) + " " + cuda::kv_type_name(kv));
+      Backend& g = cuda_backend_for(fixture, kv);
+      const int V = ref.vocab;
+      std::span<const int> p(ref.prompt);
+      std::vector<float> s(V), want(3 * V), got(3 * V);
+      auto a = g.new_cache(4096);
+      g.forward(*a, p.subspan(0, 40), LogitsMode::LastOnly, s.data());
+      auto snap = a->clone();
+      EXPECT_EQ(snap->n_past(), 40);
+      EXPECT_LT(snap->bytes(), a->bytes()) << "room for its 40 positions, not 4096";
+      g.forward(*a, p.subspan(40, 3), LogitsMode::All, want.data());
+      for (int cap : {8, 4096}) {
+        auto d = g.new_cache(cap);
+        g.forward(*d, p.subspan(5, 2), LogitsMode::LastOnly, s.data());  // other content, a graph
+        g.copy_cache(*snap, *d);
+        EXPECT_EQ(d->n_past(), 40);
+        g.forward(*d, p.subspan(40, 3), LogitsMode::All, got.data());
+        EXPECT_EQ(got, want) << "copied into a cache of capacity " << cap;
+      }
+      g.forward(*snap, p.subspan(40, 3), LogitsMode::All, got.data());
+      EXPECT_EQ(got, want) << "the compact snapshot grows";
+
+      g.truncate(*a, 0);
+      EXPECT_EQ(a->n_past(), 0);
+      g.forward(*a, p.subspan(0, 40), LogitsMode::LastOnly, s.data());
+      g.forward(*a, p.subspan(40, 3), LogitsMode::All, got.data());
+      EXPECT_EQ(got, want) << "truncate(0) clears every state";
+      if (g.can_truncate()) {
+        g.truncate(*a, 40);
+        EXPECT_EQ(a->n_past(), 40);
+        g.forward(*a, p.subspan(40, 3), LogitsMode::All, got.data());
+        EXPECT_EQ(got, want) << "cut back to 40";
+      } else {
+        EXPECT_THROW(g.truncate(*a, 40), Error);
+      }
+    }
   }
 }
 
