@@ -21,7 +21,7 @@ int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--host", "--port", "--api-key", "--ctx", "--max-body",
           "--max-tokens-limit", "--backend", "--threads", "--kv-cache", "--quantize", "--http-threads", "--max-queue",
-          "--stream-buffer"},
+          "--stream-buffer", "--prefix-cache", "--prefix-cache-entries"},
          {"--quiet"});
   auto say = [](const std::string& s) {
     std::fprintf(stderr, "lily serve: %s\n", s.c_str());
@@ -41,6 +41,8 @@ int cmd_serve(int argc, char** argv) {
   so.http_threads = static_cast<int>(a.integer("--http-threads", 64, 4, 4096));
   so.max_queue = static_cast<size_t>(a.integer("--max-queue", 256, 1, 1 << 20));
   so.stream_buffer = static_cast<size_t>(a.integer("--stream-buffer", 1024, 16, 1 << 24));
+  so.prefix_cache_bytes = static_cast<size_t>(a.integer("--prefix-cache", 1024, 0, 1 << 24)) << 20;
+  so.prefix_cache_entries = static_cast<int>(a.integer("--prefix-cache-entries", 32, 0, 4096));
   so.log_requests = !a.has("--quiet");
 
   // Signals go to one watcher thread: block them before any thread starts.

@@ -112,6 +112,13 @@ std::string Metrics::render() const {
   header(out, "lily_prefix_cache_hit_tokens_total", "counter",
          "Prompt tokens served from the cached prefix.");
   sample(out, "lily_prefix_cache_hit_tokens_total", static_cast<double>(cached_tokens_.load()));
+  header(out, "lily_prefix_cache_bytes", "gauge", "Memory held by kept model states (prefix cache).");
+  sample(out, "lily_prefix_cache_bytes", static_cast<double>(prefix_cache_bytes.load()));
+  header(out, "lily_prefix_cache_entries", "gauge", "Model states kept (prefix cache).");
+  sample(out, "lily_prefix_cache_entries", static_cast<double>(prefix_cache_entries.load()));
+  header(out, "lily_prefix_cache_evictions_total", "counter",
+         "Kept model states dropped to stay within the prefix cache's limits.");
+  sample(out, "lily_prefix_cache_evictions_total", static_cast<double>(prefix_cache_evictions.load()));
   header(out, "lily_time_to_first_token_seconds", "histogram",
          "From the request reaching the engine queue to its first generated token.");
   ttft_.render(out, "lily_time_to_first_token_seconds");

@@ -40,6 +40,8 @@ class Metrics {
   std::atomic<int> queue_depth{0};   // jobs waiting for the engine
   std::atomic<int> running{0};       // jobs the engine is running (0 or 1)
   std::atomic<int> open_streams{0};  // SSE responses in progress
+  // The engine's prefix cache after the last generation.
+  std::atomic<uint64_t> prefix_cache_bytes{0}, prefix_cache_entries{0}, prefix_cache_evictions{0};
 
   std::string render() const;
 

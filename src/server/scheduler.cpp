@@ -154,6 +154,10 @@ void Scheduler::run_job(Job& job) {
     done.error = e.what();
   }
   metrics_.running = 0;
+  const engine::PrefixCache& pc = generator_.prefix_cache();
+  metrics_.prefix_cache_bytes = pc.bytes();
+  metrics_.prefix_cache_entries = pc.size();
+  metrics_.prefix_cache_evictions = pc.evictions();
   job.events.push_final(std::move(done));
 }
 

@@ -57,6 +57,12 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// The generator with the server's limits, before the engine thread starts.
+engine::Generator& configured(engine::Generator& g, const ServerOptions& o) {
+  g.set_prefix_cache(o.prefix_cache_bytes, o.prefix_cache_entries);
+  return g;
+}
+
 }  // namespace
 
 struct Server::Impl {
@@ -64,7 +70,7 @@ struct Server::Impl {
       : model(m),
         opt(std::move(o)),
         generator(*m.backend, *m.tokenizer, opt.limits.context),
-        scheduler(generator, metrics, opt.max_queue) {}
+        scheduler(configured(generator, opt), metrics, opt.max_queue) {}
 
   ServedModel& model;
   ServerOptions opt;

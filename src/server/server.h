@@ -26,6 +26,10 @@ struct ServerOptions {
   int http_threads = 64;        // concurrent connections served at once
   size_t max_queue = 256;       // requests waiting for the engine before 503
   size_t stream_buffer = 1024;  // events buffered per request before it is cancelled
+  // Model states kept between requests (engine/prefix_cache.h); 0 keeps
+  // only the live conversation.
+  size_t prefix_cache_bytes = size_t{1} << 30;
+  int prefix_cache_entries = 32;
   Limits limits;
   bool log_requests = true;  // one line per request on stderr
 };
