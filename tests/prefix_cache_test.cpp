@@ -62,10 +62,14 @@ TEST(PrefixCache, FindsTheLongestUsablePrefix) {
   EXPECT_EQ(n, 3u);
   EXPECT_EQ(c.find_common(other).first, nullptr);
 
-  EXPECT_TRUE(c.covers(std::vector<int>{1, 2, 3}, false));
-  EXPECT_FALSE(c.covers(std::vector<int>{1, 2, 3, 4, 5}, true));
-  EXPECT_TRUE(c.covers(std::vector<int>{1}, true));
-  EXPECT_FALSE(c.covers(std::vector<int>{1}, false));
+  // Entries {1,2}, {1,2,3,4}, {1,2,3}.
+  EXPECT_EQ(c.reach(std::vector<int>{1, 2, 3}, false), 3u);
+  EXPECT_EQ(c.reach(std::vector<int>{1, 2, 3, 9}, false), 3u);
+  EXPECT_EQ(c.reach(std::vector<int>{1, 2, 3, 4, 5}, false), 4u);
+  EXPECT_EQ(c.reach(std::vector<int>{1}, false), 0u) << "a hybrid state is never cut back";
+  EXPECT_EQ(c.reach(std::vector<int>{1}, true), 1u);
+  EXPECT_EQ(c.reach(std::vector<int>{1, 2, 9}, true), 2u);
+  EXPECT_EQ(c.reach(other, true), 0u);
 }
 
 TEST(PrefixCache, EvictsTheLeastRecentlyUsedWithinItsLimits) {
@@ -77,8 +81,8 @@ TEST(PrefixCache, EvictsTheLeastRecentlyUsedWithinItsLimits) {
   c.find_prefix(std::vector<int>{1, 7});  // 1 is now the most recent
   ASSERT_TRUE(c.insert({4}, fake(296), {}));  // over the budget and the count: 2 goes
   EXPECT_EQ(c.size(), 3u);
-  EXPECT_FALSE(c.covers(std::vector<int>{2}, false));
-  EXPECT_TRUE(c.covers(std::vector<int>{1}, false));
+  EXPECT_EQ(c.reach(std::vector<int>{2}, false), 0u);
+  EXPECT_EQ(c.reach(std::vector<int>{1}, false), 1u);
   EXPECT_EQ(c.evictions(), 1u);
 
   // Replacing an entry with the same tokens does not count twice.
@@ -93,8 +97,10 @@ TEST(PrefixCache, EvictsTheLeastRecentlyUsedWithinItsLimits) {
   // A large one evicts as many as it needs, oldest first.
   ASSERT_TRUE(c.insert({6}, fake(596), {}));
   EXPECT_EQ(c.bytes(), 1000u);
-  EXPECT_TRUE(c.covers(std::vector<int>{4}, false));
-  EXPECT_TRUE(c.covers(std::vector<int>{6}, false));
+  EXPECT_EQ(c.reach(std::vector<int>{4}, false), 1u);
+  EXPECT_EQ(c.reach(std::vector<int>{6}, false), 1u);
+  EXPECT_EQ(c.reach(std::vector<int>{3}, false), 0u) << "the least recently used";
+  EXPECT_EQ(c.reach(std::vector<int>{1}, false), 1u);
 
   c.configure(0, 0);
   EXPECT_EQ(c.size(), 0u);
@@ -221,7 +227,7 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   Backend& b = backend_for("qwen3_5_moe");
   const int V = b.config().vocab_size;
   engine::Generator g(b, tokenizer(), 256);
-  g.branch_min_tokens = 16;
+  g.keep_min_tokens = 16;
   g.prefill_chunk = 7;  // several chunks per prompt
   engine::Generator plain(b, tokenizer(), 256);
   plain.set_prefix_cache(0, 0);
@@ -229,21 +235,28 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   const std::vector<int> pre = random_tokens(24, V, 1);
   const std::vector<int> a = cat(pre, random_tokens(5, V, 2)), bb = cat(pre, random_tokens(6, V, 3)),
                          c = cat(pre, random_tokens(4, V, 4));
-  Out oa = gen(g, a, 3);
+  ASSERT_EQ(engine::common_prefix(a, bb), 24u);
+  ASSERT_EQ(engine::common_prefix(bb, c), 24u);
+  Out oa = gen(g, a, 20);
   EXPECT_EQ(oa.result.cached_tokens, 0);
   Out ob = gen(g, bb, 3);
   EXPECT_EQ(ob.result.cached_tokens, 0) << "the second prompt sharing the preamble keeps it";
   Out oc = gen(g, c, 3);
   EXPECT_EQ(oc.result.cached_tokens, 24) << "the third reuses it";
+  const size_t kept = g.prefix_cache().size();
+  // B's live sequence (prompt + 2 fed) was not parked when C came: its
+  // prompt is kept, and 2 tokens are not worth a copy.
+  EXPECT_EQ(kept, 5u) << "A's prompt, A parked, the preamble, B's and C's prompts";
   EXPECT_EQ(oc.ids, gen(plain, c, 3).ids);
   EXPECT_EQ(ob.ids, gen(plain, bb, 3).ids);
   EXPECT_EQ(plain.prefix_cache().size(), 0u);
 
-  // Conversation A continues after B and C ran: its parked live sequence
-  // (prompt + the 2 generated tokens fed) is extended.
-  const std::vector<int> a2 = cat(cat(a, std::vector<int>(oa.ids.begin(), oa.ids.begin() + 2)), {5, 6, 7});
+  // Conversation A continues after B and C ran: its live sequence (prompt +
+  // the 19 generated tokens fed, at least keep_min_tokens past its kept
+  // prompt) was parked when B came, and is extended.
+  const std::vector<int> a2 = cat(cat(a, std::vector<int>(oa.ids.begin(), oa.ids.begin() + 19)), {5, 6, 7});
   Out oa2 = gen(g, a2, 3);
-  EXPECT_EQ(oa2.result.cached_tokens, static_cast<int>(a.size()) + 2);
+  EXPECT_EQ(oa2.result.cached_tokens, static_cast<int>(a.size()) + 19);
   EXPECT_EQ(oa2.ids, gen(plain, a2, 3).ids);
 
   // A regenerate of B: its prompt's state with logits, nothing to run.
@@ -276,6 +289,7 @@ TEST(PrefixCache, AttentionGeneratorReusesAnyCommonPrefix) {
   Backend& b = backend_for("qwen3");
   const int V = b.config().vocab_size;
   engine::Generator g(b, tokenizer(), 256);
+  g.keep_min_tokens = 4;
   engine::Generator plain(b, tokenizer(), 256);
   plain.set_prefix_cache(0, 0);
   const std::vector<int> pre = random_tokens(20, V, 11);
@@ -289,6 +303,14 @@ TEST(PrefixCache, AttentionGeneratorReusesAnyCommonPrefix) {
   Out oa2 = gen(g, a, 4);
   EXPECT_EQ(oa2.result.cached_tokens, static_cast<int>(a.size()) - 1);
   EXPECT_EQ(oa2.ids, oa.ids);
+  EXPECT_EQ(g.prefix_cache().size(), 2u) << "B parked too";
+
+  // With the default keep_min_tokens, a live sequence whose unshared tail
+  // is short is cut back without a copy.
+  engine::Generator h(b, tokenizer(), 256);
+  gen(h, a, 4);
+  EXPECT_EQ(gen(h, bb, 4).result.cached_tokens, 20);
+  EXPECT_EQ(h.prefix_cache().size(), 0u);
 }
 
 }  // namespace

@@ -12,6 +12,10 @@
 // Bytes per token are the minimum a step must move (weights read once, the
 // DeltaNet state read and written, the KV rows read); the fraction is against
 // a device-to-device copy measured in the same run.
+// Prefix reuse (--reuse P,...; any backend): requests made of one shared
+// P-token preamble + --reuse-suffix unique tokens, one token generated each,
+// through the engine's generator (the server's code path) with its prefix
+// cache on, and with no reuse at all; time to first token per request.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -31,6 +35,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "engine/generator.h"
 #include "model/synthetic.h"
 
 namespace lily::cli {
@@ -578,12 +583,76 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   return j;
 }
 
+nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup& s, const std::vector<int>& preambles,
+                                   int suffix, int requests, int threads, const std::string& kv) {
+  BackendOptions opt;
+  opt.kind = s.backend;
+  opt.threads = threads;
+  opt.kv_cache = kv;
+  auto b = make_backend(std::move(w), opt);
+  const int V = b->config().vocab_size;
+  nlohmann::ordered_json j;
+  j["model"] = s.model_desc;
+  j["backend"] = b->name();
+  j["method"] = "requests of one shared preamble + unique tokens, 1 token generated, generator with prefix cache on / off";
+  j["suffix_tokens"] = suffix;
+  j["requests"] = requests;
+  std::printf("prefix reuse: %d requests of a shared preamble + %d unique tokens, 1 token generated; backend %s; "
+              "model: %s\n\n",
+              requests, suffix, b->name().c_str(), s.model_desc.c_str());
+  std::printf("%9s %6s %10s %12s   %s\n", "preamble", "cache", "TTFT (ms)", "speed-up", "per request: TTFT ms / cached tokens");
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (int P : preambles) {
+    std::mt19937 rng(static_cast<uint32_t>(s.seed));
+    const std::vector<int> pre = random_prompt(rng, P, V);
+    std::vector<std::vector<int>> prompts;
+    for (int r = 0; r < requests; ++r) {
+      std::vector<int> p = pre;
+      const std::vector<int> own = random_prompt(rng, suffix, V);
+      p.insert(p.end(), own.begin(), own.end());
+      prompts.push_back(std::move(p));
+    }
+    double off_ms = 0;
+    for (bool on : {false, true}) {
+      engine::Generator g(*b, nullptr, P + suffix + 8);
+      g.prefill_chunk = 4096;
+      if (!on) g.set_prefix_cache(0, 0);
+      std::vector<double> ms;
+      std::vector<int> cached;
+      for (const auto& p : prompts) {
+        engine::GenerationParams gp;
+        gp.prompt = p;
+        gp.sampling.temperature = 0;
+        gp.max_tokens = 1;
+        gp.reuse_prefix = on;  // off: every prompt prefilled whole
+        const auto res = g.generate(gp, [](engine::GenerationEvent&&) { return true; });
+        ms.push_back(res.prefill_seconds * 1e3);
+        cached.push_back(res.cached_tokens);
+      }
+      // Steady state: from the third request on (the second keeps the branch point).
+      const double steady = median(std::vector<double>(ms.begin() + std::min<size_t>(2, ms.size() - 1), ms.end()));
+      if (!on) off_ms = steady;
+      std::string per;
+      for (size_t i = 0; i < ms.size(); ++i) per += str_cat(i ? "  " : "", static_cast<long long>(ms[i] + 0.5), "/", cached[i]);
+      std::printf("%9d %6s %10.1f %11.2fx   %s\n", P, on ? "on" : "off", steady, on ? off_ms / steady : 1.0, per.c_str());
+      rows.push_back({{"preamble", P},
+                      {"cache", on},
+                      {"ttft_ms_steady", steady},
+                      {"ttft_ms", ms},
+                      {"cached_tokens", cached},
+                      {"prefix_cache_bytes", g.prefix_cache().bytes()}});
+    }
+  }
+  j["results"] = rows;
+  return j;
+}
+
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
-          "--json", "--seed", "--threads", "--prefill"},
+          "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests"},
          {"--profile", "--trace", "--handover"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
@@ -608,7 +677,12 @@ int cmd_bench(int argc, char** argv) {
     s.model_desc = a.str("--model");
   }
   nlohmann::ordered_json j;
-  if (s.backend == "cuda") {
+  if (a.has("--reuse")) {
+    j = bench_reuse(std::move(w), s, parse_int_list(a.str("--reuse"), "--reuse"),
+                    static_cast<int>(a.integer("--reuse-suffix", 32, 1, 1 << 20)),
+                    static_cast<int>(a.integer("--reuse-requests", 5, 2, 1000)),
+                    static_cast<int>(a.integer("--threads", 0, 0, 1024)), a.str("--kv"));
+  } else if (s.backend == "cuda") {
 #ifdef LILY_HAVE_CUDA
     j = bench_cuda(std::move(w), s, a.str("--kv"));
 #else

@@ -33,7 +33,7 @@ const char* finish_reason_name(FinishReason r) {
   return "stop";
 }
 
-Generator::Generator(Backend& backend, const text::Tokenizer& tokenizer, int context)
+Generator::Generator(Backend& backend, const text::Tokenizer* tokenizer, int context)
     : backend_(backend), tokenizer_(tokenizer), context_(context), seq_(backend, context) {}
 
 void Generator::reset() {
@@ -54,9 +54,10 @@ bool Generator::feed(const std::vector<int>& prompt, size_t end, std::vector<flo
   return true;
 }
 
-void Generator::keep_live(std::vector<float> logits) {
+void Generator::keep_live(std::vector<float> logits, size_t held, size_t min_new) {
   if (!cache_.enabled() || seq_.size() == 0) return;
-  if (cache_.covers(seq_.tokens(), backend_.can_truncate())) return;
+  const size_t covered = std::max(held, cache_.reach(seq_.tokens(), backend_.can_truncate()));
+  if (static_cast<size_t>(seq_.size()) < covered + std::max<size_t>(1, min_new)) return;
   try {
     Sequence::Snapshot snap = seq_.snapshot();
     cache_.insert(std::move(snap.tokens), std::move(snap.cache), std::move(logits));
@@ -74,9 +75,12 @@ std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& pro
   std::vector<float> logits;
 
   // The live sequence is cut back or dropped unless the prompt extends it:
-  // keep its state first (another conversation may continue it).
+  // keep its state first (another conversation may continue it) unless
+  // little of it would be lost.
   const size_t live_common = common_prefix(seq_.tokens(), prompt);
-  if (!reuse || live_common < static_cast<size_t>(seq_.size())) keep_live({});
+  const size_t min_keep = static_cast<size_t>(std::max(1, keep_min_tokens));
+  if (!reuse || live_common < static_cast<size_t>(seq_.size()))
+    keep_live({}, reuse && cut ? std::min(live_common, P - 1) : 0, min_keep);
 
   // How far the live sequence and the kept states reach into the prompt.
   // A start shorter than the prompt leaves a token to run for the logits.
@@ -117,7 +121,7 @@ std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& pro
   // next prompt that shares the same beginning.
   const size_t branch = std::max(kept_common, live_common);
   if (reuse && !cut && branch > static_cast<size_t>(seq_.size()) && branch < P &&
-      branch >= static_cast<size_t>(std::max(1, branch_min_tokens))) {
+      branch >= min_keep) {
     if (!feed(prompt, branch, logits, cancel)) return std::nullopt;
     keep_live(logits);
   }
@@ -176,14 +180,15 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   }
   std::vector<float> logits = std::move(*pre);
 
-  text::StreamDecoder decoder(tokenizer_, params.skip_special);
+  std::optional<text::StreamDecoder> decoder;
+  if (tokenizer_) decoder.emplace(*tokenizer_, params.skip_special);
   text::StopMatcher stops(params.stop_strings);
   std::vector<int> history = prompt;
   history.reserve(prompt.size() + static_cast<size_t>(max_new));
 
   // Text still held back by the decoder and the stop matcher, at the end.
   auto drain = [&]() {
-    std::string out = stops.push(decoder.flush()).emit;
+    std::string out = stops.push(decoder ? decoder->flush() : std::string()).emit;
     out += stops.flush();
     return out;
   };
@@ -213,7 +218,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       ev.text = drain();
       done = true;
     } else {
-      auto r = stops.push(decoder.push(id));
+      auto r = stops.push(decoder ? decoder->push(id) : std::string());
       ev.text = std::move(r.emit);
       if (r.stopped) {
         res.finish = FinishReason::Stop;

@@ -96,12 +96,19 @@ class Generator {
  public:
   // `backend` and `tokenizer` must outlive the generator. context: the
   // sequence capacity (prompt + generated tokens).
-  Generator(Backend& backend, const text::Tokenizer& tokenizer, int context);
+  Generator(Backend& backend, const text::Tokenizer& tokenizer, int context)
+      : Generator(backend, &tokenizer, context) {}
+  // Without a tokenizer the events carry token ids and no text (stop
+  // strings never match): for benchmarks of models without one.
+  Generator(Backend& backend, const text::Tokenizer* tokenizer, int context);
 
   int context() const { return context_; }
   int prefill_chunk = 512;  // tokens per forward during prefill (cancellation points)
-  // A branch point is kept only where at least this many tokens are shared.
-  int branch_min_tokens = 64;
+  // A branch point is kept only where at least this many tokens are shared,
+  // and a conversation switched away from is parked only when no kept state
+  // (or, for a pure-attention model, the part the next request keeps) covers
+  // all but fewer than this many of its tokens.
+  int keep_min_tokens = 64;
   // Limits of the prefix cache (default 1 GiB, 32 entries; 0 bytes or
   // entries: only the live sequence is reused).
   void set_prefix_cache(size_t budget_bytes, int max_entries) { cache_.configure(budget_bytes, max_entries); }
@@ -133,11 +140,13 @@ class Generator {
   bool feed(const std::vector<int>& prompt, size_t end, std::vector<float>& logits,
             const std::atomic<bool>* cancel);
   // Keeps a copy of the live sequence's state in the cache (with the logits
-  // after its last token, if given) unless a kept state already covers it.
-  void keep_live(std::vector<float> logits);
+  // after its last token, if given) unless a kept state, or the `held`
+  // first tokens staying in the live sequence, cover all but fewer than
+  // `min_new` of its tokens.
+  void keep_live(std::vector<float> logits, size_t held = 0, size_t min_new = 1);
 
   Backend& backend_;
-  const text::Tokenizer& tokenizer_;
+  const text::Tokenizer* tokenizer_;
   int context_;
   Sequence seq_;
   PrefixCache cache_{size_t{1} << 30, 32};

@@ -44,12 +44,13 @@ std::pair<const PrefixCache::Entry*, size_t> PrefixCache::find_common(std::span<
   return {best, best_len};
 }
 
-bool PrefixCache::covers(std::span<const int> tokens, bool prefix_ok) const {
+size_t PrefixCache::reach(std::span<const int> tokens, bool cut) const {
+  size_t best = 0;
   for (const auto& e : entries_) {
-    if (e->tokens.size() < tokens.size() || (!prefix_ok && e->tokens.size() != tokens.size())) continue;
-    if (common_prefix(e->tokens, tokens) == tokens.size()) return true;
+    const size_t n = common_prefix(e->tokens, tokens);
+    if (cut || n == e->tokens.size()) best = std::max(best, n);
   }
-  return false;
+  return best;
 }
 
 bool PrefixCache::insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state,

@@ -47,9 +47,10 @@ class PrefixCache {
   // length (ties: the most recently used); {nullptr, 0} when none shares a
   // token. Marks it used.
   std::pair<const Entry*, size_t> find_common(std::span<const int> tokens);
-  // Whether an entry holds exactly `tokens`, or (prefix_ok) a sequence that
-  // starts with them.
-  bool covers(std::span<const int> tokens, bool prefix_ok) const;
+  // How many of the first positions of `tokens` a kept state could restore:
+  // the longest entry that is a prefix of them, or (cut: the model's caches
+  // can be cut back) the longest prefix any entry shares with them.
+  size_t reach(std::span<const int> tokens, bool cut) const;
 
   // Keeps a state, replacing an entry with the same tokens and evicting the
   // least recently used ones to stay within the limits. Returns false (and
