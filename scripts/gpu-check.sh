@@ -12,7 +12,8 @@
 #
 # Environment: OUT (log folder, default /tmp/lily-gpu-check), CTX (bench
 # decode contexts), PREFILL (bench prompt lengths, "none" to skip), FILTER (gtest filter), BENCH_ARGS (extra bench arguments),
-# BENCH_Q8KV=0 (skip the q8 KV decode run),
+# BENCH_Q8KV=0 (skip the q8 KV decode run), REUSE (preamble lengths for the
+# prefix-reuse bench, e.g. 4096,32768; unset: skipped),
 # SKIP_TESTS=1, SKIP_BENCH=1. When tests fail, the failing ones run again
 # under compute-sanitizer (racecheck, synccheck, memcheck) where it works.
 # ab: AB_VARIANTS, variants separated by '|', each environment settings
@@ -73,6 +74,12 @@ run() {
       done
     fi
     kill "$dmon" 2>/dev/null
+    if [[ -n ${REUSE:-} ]]; then
+      # The prefix cache: time to first token of requests sharing a preamble.
+      echo "-- prefix reuse" | tee -a "$LOG"
+      timeout 180 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda --reuse "$REUSE" \
+        --json "$OUT/bench-reuse.json" 2>&1 | tee -a "$LOG"
+    fi
     if [[ ${BENCH_30B:-1} == 1 ]]; then
       timeout 90 "$B/lily_bench_device" --synthetic qwen3-30b-a3b --backend cuda --ctx 4096 \
         --json "$OUT/bench-qwen3-30b-a3b.json" 2>&1 | tee -a "$LOG"

@@ -47,7 +47,11 @@ void Sequence::truncate(int n) {
 
 void Sequence::reset() {
   tokens_.clear();
-  backend_.truncate(*cache_, 0);  // also clears what a failed step or copy left
+  try {
+    backend_.truncate(*cache_, 0);  // also clears what a failed step or copy left
+  } catch (const Error&) {
+    cache_ = backend_.new_cache(max_positions_);  // never keep a state that may be stale
+  }
 }
 
 int argmax(std::span<const float> logits) {
