@@ -1,0 +1,131 @@
+// Constrained decoding for JSON output (response_format json_object /
+// json_schema): a JSON Schema compiled into a byte-level grammar, a matcher
+// that follows the output byte by byte, and the set of vocabulary tokens
+// that may come next, found by walking a trie of the tokens' bytes with the
+// matcher's state.
+//
+// The grammar is JSON (RFC 8259, UTF-8 checked strictly, as a strict parser
+// reads it) narrowed by the schema:
+//   type (one or a list), properties (written in the schema's order, optional
+//   ones may be left out, required ones may not), required,
+//   additionalProperties (false, true or a schema; when properties are given
+//   and additionalProperties is not, no other key is allowed), items,
+//   minItems, maxItems, enum, const, anyOf / oneOf (as anyOf), allOf of one
+//   schema, $ref to "#", "#/$defs/..." or "#/definitions/...", boolean
+//   schemas (true: any value).
+// Not enforced (accepted and ignored): string and number bounds (minLength,
+// maxLength, pattern, format, minimum, maximum, multipleOf), uniqueItems,
+// annotations. Refused with a message naming the place: false schemas,
+// allOf of several schemas, prefixItems, unknown types, remote or JSON
+// pointer refs other than the above, objects with more than 64 properties.
+//
+// Limits that keep every output finite and every state small: at most 24
+// whitespace bytes in a row, numbers of at most 24 characters, nesting at
+// most 64 deep.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lily::text {
+
+class Tokenizer;
+
+class JsonGrammar {
+ public:
+  // Throws lily::Error naming the unsupported or malformed part
+  // ("schema.properties.age.type: ..."). Properties keep the order they
+  // have in `schema` (hence an ordered_json).
+  static std::shared_ptr<const JsonGrammar> from_schema(const nlohmann::ordered_json& schema);
+  // Any JSON object (response_format json_object).
+  static std::shared_ptr<const JsonGrammar> any_object();
+
+  struct Prop {
+    std::string key;  // the key as written between the quotes (JSON-escaped)
+    int node = 0;
+    bool required = false;
+  };
+  struct Node {
+    // Booleans and null are Literal nodes.
+    enum Kind : uint8_t { Any, Object, Array, String, Number, Integer, Literal, AnyOf };
+    Kind kind = Any;
+    std::vector<Prop> props;  // Object
+    int additional = -1;      // Object: node of other keys' values; -1: none
+    int items = 0;            // Array: node of the elements (0: any)
+    int min_items = 0, max_items = 1 << 30;
+    std::vector<std::string> texts;  // Literal: the allowed values' JSON, sorted
+    std::vector<int> alts;           // AnyOf
+  };
+  const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
+  int root() const { return root_; }
+
+ private:
+  friend struct SchemaCompiler;
+  // 0: any value, 1: any object, 2: any array, 3: the literals true / false / null
+  std::vector<Node> nodes_;
+  int root_ = 0;
+};
+
+// The vocabulary as a trie of token bytes, built once per tokenizer. Added
+// tokens (special or not: <|im_end|>, <think>, ...) are left out: stop
+// tokens are handled by the caller.
+class TokenTrie {
+ public:
+  static std::shared_ptr<const TokenTrie> build(const Tokenizer& tokenizer, int vocab_size);
+
+  struct Edge {
+    uint8_t byte;
+    int child;
+  };
+  struct Node {
+    int first_edge = 0, num_edges = 0;   // into edges_
+    int first_token = 0, num_tokens = 0;  // into tokens_: ids ending here
+  };
+  int vocab_size() const { return vocab_; }
+  std::string_view bytes(int id) const;
+
+ private:
+  friend class JsonMatcher;
+  struct Trie {
+    std::vector<Node> nodes;
+    std::vector<Edge> edges;
+    std::vector<int> tokens;
+  };
+  static Trie make(const std::vector<std::string>& bytes, const std::vector<int>& ids);
+  int vocab_ = 0;
+  std::vector<std::string> bytes_;  // per id ("" for left-out ids)
+  Trie all_;            // every token
+  Trie not_plain_;      // tokens that are not plain string content
+  std::vector<int> plain_;  // tokens that are: printable, no '"' or '\', whole UTF-8 characters
+};
+
+// Follows an output byte by byte.
+class JsonMatcher {
+ public:
+  explicit JsonMatcher(std::shared_ptr<const JsonGrammar> grammar);
+  ~JsonMatcher();
+  JsonMatcher(const JsonMatcher&) = delete;
+  JsonMatcher& operator=(const JsonMatcher&) = delete;
+
+  // Consumes bytes; false (and no change) if the grammar does not allow them.
+  bool feed(std::string_view bytes);
+  // Whether the output so far is a complete value of the grammar.
+  bool accepting() const;
+  // mask[id] = 1 for every token whose bytes may come next (others 0);
+  // mask has trie.vocab_size() entries.
+  void allowed_tokens(const TokenTrie& trie, std::vector<uint8_t>& mask) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace lily::text

@@ -1,0 +1,156 @@
+// The JSON constraint: schemas compiled into a byte-level grammar, the
+// matcher accepting exactly the texts a strict parser + the schema accept,
+// and the token mask agreeing with feeding each token's bytes.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "text/json_constraint.h"
+#include "text/tokenizer.h"
+
+namespace lily::text {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+bool accepts(const std::shared_ptr<const JsonGrammar>& g, std::string_view text) {
+  JsonMatcher m(g);
+  return m.feed(text) && m.accepting();
+}
+bool prefix_ok(const std::shared_ptr<const JsonGrammar>& g, std::string_view text) {
+  JsonMatcher m(g);
+  return m.feed(text);
+}
+
+TEST(JsonConstraint, AnyObjectIsStrictJson) {
+  auto g = JsonGrammar::any_object();
+  for (const char* ok : {"{}", " {\"a\": 1}", "{\"a\":[1,2.5e-3,-0,true,false,null,\"x\"]}\n",
+                         "{\"k\\\"\\u00e9\": {\"n\": {}}, \"e\": \"\\u20ac\"}", "{\"\xc3\xa9\": \"\xe2\x82\xac\"}"})
+    EXPECT_TRUE(accepts(g, ok)) << ok;
+  for (const char* bad : {"[]", "1", "{", "{\"a\" 1}", "{\"a\":01}", "{\"a\":1,}", "{\"a\":tru}",
+                          "{'a':1}", "{\"a\":\"\x01\"}", "{\"a\":\"\xc0\xaf\"}", "{\"a\":\"\xed\xa0\x80\"}",
+                          "{\"a\":1.}", "{\"a\":-}", "{\"a\":\"\\x\"}", "{}x"})
+    EXPECT_FALSE(accepts(g, bad)) << bad;
+  // Surrogate escapes are not generated at all (raw UTF-8 is): a lone one
+  // would fail a strict parser.
+  EXPECT_FALSE(accepts(g, "{\"e\": \"\\ud83d\"}"));
+  EXPECT_FALSE(accepts(g, "{\"e\": \"\\uDC00\"}"));
+  // Prefixes of valid text are fed; a complete value is only accepted at its end.
+  EXPECT_TRUE(prefix_ok(g, "{\"a\": [1, {\"b\""));
+  EXPECT_FALSE(accepts(g, "{\"a\": [1"));
+  // Whitespace is bounded.
+  EXPECT_TRUE(prefix_ok(g, "{" + std::string(24, ' ')));
+  EXPECT_FALSE(prefix_ok(g, "{" + std::string(25, ' ')));
+  // Numbers are bounded.
+  EXPECT_TRUE(accepts(g, "{\"n\": " + std::string(24, '7') + "}"));
+  EXPECT_FALSE(prefix_ok(g, "{\"n\": " + std::string(25, '7')));
+}
+
+TEST(JsonConstraint, SchemaObjectsFollowTheirProperties) {
+  auto g = JsonGrammar::from_schema(json::parse(R"({
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                   "ok": {"type": "boolean"}},
+    "required": ["name", "ok"]})"));
+  EXPECT_TRUE(accepts(g, R"({"name": "x", "ok": true})"));
+  EXPECT_TRUE(accepts(g, R"({"name":"x","age":-3,"tags":["b","a"],"ok":false})"));
+  EXPECT_TRUE(accepts(g, "{\n  \"name\": \"x\",\n  \"tags\": [],\n  \"ok\": true\n}"));
+  EXPECT_FALSE(accepts(g, R"({"ok": true, "name": "x"})")) << "properties in the schema's order";
+  EXPECT_FALSE(accepts(g, R"({"name": "x"})")) << "ok is required";
+  EXPECT_FALSE(accepts(g, R"({"name": "x", "age": 1.5, "ok": true})")) << "an integer";
+  EXPECT_FALSE(accepts(g, R"({"name": "x", "tags": ["c"], "ok": true})")) << "enum";
+  EXPECT_FALSE(accepts(g, R"({"name": "x", "tags": ["a","a","a"], "ok": true})")) << "maxItems";
+  EXPECT_FALSE(accepts(g, R"({"name": "x", "other": 1, "ok": true})")) << "no other keys";
+  EXPECT_FALSE(accepts(g, R"({"name": 1, "ok": true})"));
+  EXPECT_TRUE(prefix_ok(g, R"({"nam)")) << "a prefix of a property name";
+  EXPECT_FALSE(prefix_ok(g, R"({"ag)")) << "name is required first";
+}
+
+TEST(JsonConstraint, RefsAnyOfTypeListsAndAdditionalProperties) {
+  auto g = JsonGrammar::from_schema(json::parse(R"({
+    "$defs": {"node": {"type": "object", "properties": {
+      "v": {"type": ["number", "null"]},
+      "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["v"]}},
+    "anyOf": [{"$ref": "#/$defs/node"}, {"const": "leaf"}, {"type": "object", "additionalProperties": {"type": "integer"}}]})"));
+  EXPECT_TRUE(accepts(g, R"({"v": 1, "kids": [{"v": null}, {"v": 2e3, "kids": []}]})"));
+  EXPECT_TRUE(accepts(g, R"("leaf")"));
+  EXPECT_TRUE(accepts(g, R"({"x": 1, "y": 2})"));
+  EXPECT_TRUE(accepts(g, R"({})"));
+  EXPECT_FALSE(accepts(g, R"({"x": "s"})"));
+  EXPECT_FALSE(accepts(g, R"("lea")"));
+  EXPECT_FALSE(accepts(g, R"({"v": 1, "kids": [{"w": 1}]})"));
+  // Numbers and enum values end where the next byte says so.
+  auto n = JsonGrammar::from_schema(json::parse(R"({"enum": [1, 10, 100]})"));
+  EXPECT_TRUE(accepts(n, "1"));
+  EXPECT_TRUE(accepts(n, "10 "));
+  EXPECT_FALSE(accepts(n, "1000"));
+  auto arr = JsonGrammar::from_schema(json::parse(R"({"type": "array", "items": {"type": "integer"}, "minItems": 2})"));
+  EXPECT_TRUE(accepts(arr, "[1,22]"));
+  EXPECT_FALSE(accepts(arr, "[1]"));
+  EXPECT_TRUE(accepts(JsonGrammar::from_schema(json::parse("{}")), "\"any\""));
+  EXPECT_TRUE(accepts(JsonGrammar::from_schema(json::parse(R"({"$ref": "#/definitions/s", "definitions": {"s": {"type": "string"}}})")), "\"s\""));
+}
+
+TEST(JsonConstraint, UnsupportedSchemasAreRefusedByName) {
+  auto msg = [](const char* schema) {
+    try {
+      JsonGrammar::from_schema(json::parse(schema));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {"type": "strin"}}})"),
+            "schema.properties.a.type: 'strin' is not a JSON Schema type");
+  EXPECT_EQ(msg(R"({"properties": {"a": {"$ref": "http://x"}}})").rfind("schema.properties.a.$ref: 'http://x' is not supported", 0), 0u);
+  EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {}}, "required": ["b"]})"),
+            "schema.required: 'b' is not one of the properties");
+  EXPECT_EQ(msg(R"({"allOf": [{}, {}]})"), "schema.allOf: only a list of one schema is supported");
+  EXPECT_EQ(msg("false"), "schema: the schema false allows nothing");
+  EXPECT_EQ(msg(R"({"type": "array", "minItems": 3, "maxItems": 1})"), "schema: minItems is larger than maxItems");
+  EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+", "format": "date"}}})"),
+            "accepted") << "string bounds are not enforced, but not refused";
+}
+
+// The mask from the trie walk equals feeding every token's bytes one by one.
+TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
+  static const Tokenizer tok = Tokenizer::from_dir(LILY_FIXTURES_DIR "/tokenizer");
+  const int V = tok.vocab_size();
+  auto trie = TokenTrie::build(tok, V);
+  auto g = JsonGrammar::from_schema(json::parse(R"({"type": "object", "properties": {
+    "title": {"type": "string"}, "n": {"type": "number"}, "kind": {"enum": ["alpha", "beta"]}},
+    "required": ["title", "n", "kind"]})"));
+  const char* prefixes[] = {"", " ", "{", "{\"", "{\"ti", "{\"title\": \"ab", "{\"title\": \"a\\", "{\"title\": \"\xe2\x82",
+                            "{\"title\": \"x\", \"n\": 1", "{\"title\": \"x\", \"n\": 1.5e", "{\"title\": \"x\", \"n\": 0, \"kind\": \"al",
+                            "{\"title\": \"x\", \"n\": 0, \"kind\": \"beta\""};
+  std::vector<uint8_t> mask;
+  for (const char* p : prefixes) {
+    JsonMatcher m(g);
+    ASSERT_TRUE(m.feed(p)) << p;
+    m.allowed_tokens(*trie, mask);
+    int allowed = 0, mismatches = 0;
+    for (int id = 0; id < V; ++id) {
+      JsonMatcher one(g);
+      one.feed(p);
+      const std::string_view b = trie->bytes(id);
+      const bool want = !b.empty() && one.feed(b);
+      allowed += mask[static_cast<size_t>(id)];
+      if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
+        ADD_FAILURE() << "prefix '" << p << "' token " << id << " '" << b << "' want " << want;
+    }
+    EXPECT_GT(allowed, 0) << p;
+  }
+  // Added tokens (<|im_end|>, <think>) are never allowed: stop tokens are the caller's.
+  JsonMatcher m(g);
+  m.feed("{\"title\": \"");
+  m.allowed_tokens(*trie, mask);
+  for (int id : tok.special_ids()) EXPECT_EQ(mask[static_cast<size_t>(id)], 0) << id;
+}
+
+}  // namespace
+}  // namespace lily::text
