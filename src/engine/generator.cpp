@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <new>
 
 #include "core/error.h"
 #include "text/detokenizer.h"
+#include "text/json_constraint.h"
 #include "text/stop_matcher.h"
 #include "text/tokenizer.h"
 
@@ -193,9 +195,54 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     return out;
   };
 
+  // Constrained decoding: the matcher follows the output once active.
+  std::optional<text::JsonMatcher> matcher;
+  bool constrained = false;
+  std::string before;  // output bytes while waiting for grammar_after
+  std::vector<uint8_t> allowed;
+  std::vector<float> masked;
+  if (params.json_grammar) {
+    if (!tokenizer_) fail("constrained decoding needs a tokenizer");
+    if (!trie_) trie_ = text::TokenTrie::build(*tokenizer_, backend_.config().vocab_size);
+    matcher.emplace(params.json_grammar);
+    constrained = params.grammar_after.empty();
+  }
+
   Clock::time_point t_first{};
   for (;;) {
-    const int id = sampler.sample(logits, history, prompt.size());
+    std::span<const float> pick_from = logits;
+    if (constrained) {
+      matcher->allowed_tokens(*trie_, allowed);
+      const bool can_end = matcher->accepting();
+      masked.assign(logits.size(), -std::numeric_limits<float>::infinity());
+      bool any = false;
+      for (size_t i = 0; i < logits.size(); ++i)
+        if (allowed[i]) {
+          masked[i] = logits[i];
+          any = true;
+        }
+      // A stop token once the value is complete (or when nothing else is
+      // left, which a consistent grammar never leaves).
+      for (int s : params.stop_token_ids)
+        if ((can_end || !any) && s >= 0 && static_cast<size_t>(s) < logits.size()) masked[static_cast<size_t>(s)] = logits[static_cast<size_t>(s)];
+      pick_from = masked;
+    }
+    const int id = sampler.sample(pick_from, history, prompt.size());
+    if (matcher) {
+      const std::string_view bytes = tokenizer_->token_bytes(id);
+      if (constrained) {
+        matcher->feed(bytes);  // allowed by construction (a stop token feeds nothing)
+      } else {
+        before += bytes;
+        const size_t at = before.find(params.grammar_after);
+        if (at != std::string::npos) {
+          constrained = true;
+          matcher->feed(std::string_view(before).substr(at + params.grammar_after.size()));
+        } else if (before.size() > params.grammar_after.size()) {
+          before.erase(0, before.size() - params.grammar_after.size());
+        }
+      }
+    }
     history.push_back(id);
     res.completion_tokens++;
     if (res.completion_tokens == 1) t_first = Clock::now();

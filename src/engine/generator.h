@@ -48,6 +48,8 @@
 
 namespace lily::text {
 class Tokenizer;
+class JsonGrammar;
+class TokenTrie;
 }
 
 namespace lily::engine {
@@ -61,6 +63,12 @@ struct GenerationParams {
   int top_logprobs = -1;     // -1: no logprobs; else 0..20 alternatives
   bool skip_special = true;  // leave special tokens out of the text
   bool reuse_prefix = true;
+  // Constrained decoding (needs a tokenizer): every token is drawn from those
+  // the grammar allows next, and a stop token only once the output is a
+  // complete value. With grammar_after set (e.g. "</think>"), the
+  // constraint starts after that text in the output.
+  std::shared_ptr<const text::JsonGrammar> json_grammar;
+  std::string grammar_after;
 };
 
 enum class FinishReason { Stop, Length, Cancelled };
@@ -147,6 +155,7 @@ class Generator {
 
   Backend& backend_;
   const text::Tokenizer* tokenizer_;
+  std::shared_ptr<const text::TokenTrie> trie_;  // for constrained decoding, built on first use
   int context_;
   Sequence seq_;
   PrefixCache cache_{size_t{1} << 30, 32};
