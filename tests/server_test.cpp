@@ -239,6 +239,13 @@ TEST(ServerApi, MissingFieldsAndBadValues) {
       {R"({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"})",
        "reasoning_effort", "invalid_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}})",
+       "response_format.json_schema", "missing_required_parameter"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})",
+       "response_format.json_schema.name", "missing_required_parameter"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+          "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}})",
+       "response_format.json_schema.schema", "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "grammar"}})",
        "response_format.type", "unsupported_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}})", "logit_bias",
        "unsupported_parameter"},
@@ -298,6 +305,16 @@ TEST(ServerApi, ToolsToolChoiceAndReasoningSwitches) {
   ChatRequest jo = chat(
       R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})");
   EXPECT_TRUE(jo.json_object);
+  ChatRequest js = parse_chat_request(ojson::parse(R"({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true,
+      "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}})"),
+      engine::SamplingParams{}, Limits{});
+  ASSERT_NE(js.json_schema, nullptr);
+  EXPECT_FALSE(js.json_object);
+  {
+    text::JsonMatcher m(js.json_schema);
+    EXPECT_TRUE(m.feed("{\"a\": 12}") && m.accepting());
+  }
   ChatRequest text = chat(
       R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}})");
   EXPECT_FALSE(text.json_object);

@@ -338,12 +338,30 @@ ChatRequest parse_chat_request(const ojson& body, const engine::SamplingParams& 
     if (!type)
       throw bad_request("Missing required parameter: 'response_format.type'.",
                         "response_format.type", "missing_required_parameter");
-    if (*type == "json_object")
+    if (*type == "json_object") {
       r.json_object = true;
-    else if (*type != "text")
+    } else if (*type == "json_schema") {
+      const ojson* js = field(*rf, "json_schema");
+      if (!js)
+        throw bad_request("Missing required parameter: 'response_format.json_schema'.",
+                          "response_format.json_schema", "missing_required_parameter");
+      if (!js->is_object()) throw invalid_type("response_format.json_schema", "an object", *js);
+      const auto name = get_string(*js, "name");
+      if (!name)
+        throw bad_request("Missing required parameter: 'response_format.json_schema.name'.",
+                          "response_format.json_schema.name", "missing_required_parameter");
+      get_bool(*js, "strict");  // accepted; lily always constrains to the schema
+      const ojson* schema = field(*js, "schema");
+      try {
+        r.json_schema = schema ? text::JsonGrammar::from_schema(*schema) : text::JsonGrammar::from_schema(ojson::object());
+      } catch (const lily::Error& e) {
+        throw invalid_value("response_format.json_schema.schema", e.what());
+      }
+    } else if (*type != "text") {
       throw bad_request(str_cat("Invalid value for 'response_format.type': '", *type,
-                                "' is not supported; lily supports 'text' and 'json_object'."),
+                                "' is not supported; lily supports 'text', 'json_object' and 'json_schema'."),
                         "response_format.type", "unsupported_value");
+    }
   }
   r.prompt_cache_key = get_string(body, "prompt_cache_key").value_or("");
   return r;

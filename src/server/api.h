@@ -5,6 +5,7 @@
 // status and OpenAI's error fields.
 #pragma once
 
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <stdexcept>
@@ -14,6 +15,7 @@
 
 #include "engine/sampler.h"
 #include "text/chat_template.h"
+#include "text/json_constraint.h"
 
 namespace lily::server {
 
@@ -80,6 +82,8 @@ struct ChatRequest {
   bool parallel_tool_calls = true;
   std::optional<bool> enable_thinking;  // from chat_template_kwargs / reasoning_effort
   bool json_object = false;             // response_format {"type": "json_object"}
+  // response_format {"type": "json_schema"}: the schema, compiled.
+  std::shared_ptr<const text::JsonGrammar> json_schema;
   bool logprobs = false;
   int top_logprobs = 0;
   std::string prompt_cache_key;

@@ -106,6 +106,7 @@ std::string plan_chat_reply(const ChatRequest& cr, text::ToolDialect dialect,
   setup.tool_choice = cr.tool_choice;
   setup.tool_name = cr.tool_name;
   setup.json_object = cr.json_object;
+  setup.json_schema = cr.json_schema != nullptr;
   const bool tools_on = !cr.inputs.tools.is_null() && dialect != text::ToolDialect::None;
   const bool thinking = cr.enable_thinking.value_or(true);
   setup.parser.reasoning_enabled = thinking;
@@ -245,12 +246,12 @@ std::optional<ApiError> ChatResponseBuilder::validate() const {
       return e;
     }
   }
-  if (s_.json_object && out.tool_calls.empty()) {
+  if ((s_.json_object || s_.json_schema) && out.tool_calls.empty()) {
     ojson j = ojson::parse(out.content, nullptr, false);
-    if (j.is_discarded() || !j.is_object())
+    if (j.is_discarded() || (s_.json_object && !j.is_object()))
       return ApiError(400, "invalid_request_error",
-                      "The model's reply is not a JSON object, but response_format is "
-                      "'json_object'. lily checks the output; it does not constrain decoding.",
+                      s_.json_object ? "The model's reply is not a JSON object, but response_format is 'json_object'."
+                                     : "The model's reply is not JSON, but response_format is 'json_schema'.",
                       "response_format", "json_validate_failed");
   }
   return std::nullopt;

@@ -45,6 +45,7 @@ struct ChatSetup {
   ToolChoice tool_choice = ToolChoice::Auto;
   std::string tool_name;
   bool json_object = false;
+  bool json_schema = false;  // the reply must parse as JSON (the schema was constrained)
   std::vector<int> stop_token_ids;  // left out of logprobs
 };
 

@@ -264,6 +264,12 @@ void Server::Impl::handle_chat(const httplib::Request& req, httplib::Response& r
   gp.sampling = cr.common.sampling;
   gp.stop_token_ids = model.stop_token_ids;
   gp.top_logprobs = cr.logprobs ? cr.top_logprobs : -1;
+  // JSON output is constrained token by token, after any reasoning; with
+  // tools offered the reply may be a call instead, so it is only checked.
+  if (setup.parser.tool_dialect == text::ToolDialect::None && (cr.json_schema || cr.json_object)) {
+    gp.json_grammar = cr.json_schema ? cr.json_schema : text::JsonGrammar::any_object();
+    if (setup.parser.starts_in_reasoning) gp.grammar_after = "</think>";
+  }
 
   auto builder = std::make_shared<ChatResponseBuilder>(std::move(setup), *model.tokenizer);
   auto job = submit(std::move(gp));
