@@ -1,6 +1,8 @@
 // The JSON constraint: schemas compiled into a byte-level grammar, the
 // matcher accepting exactly the texts a strict parser + the schema accept,
 // and the token mask agreeing with feeding each token's bytes.
+#include "text/json_constraint.h"
+
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "text/json_constraint.h"
 #include "text/tokenizer.h"
 
 namespace lily::text {
@@ -28,12 +29,14 @@ bool prefix_ok(const std::shared_ptr<const JsonGrammar>& g, std::string_view tex
 
 TEST(JsonConstraint, AnyObjectIsStrictJson) {
   auto g = JsonGrammar::any_object();
-  for (const char* ok : {"{}", " {\"a\": 1}", "{\"a\":[1,2.5e-3,-0,true,false,null,\"x\"]}\n",
-                         "{\"k\\\"\\u00e9\": {\"n\": {}}, \"e\": \"\\u20ac\"}", "{\"\xc3\xa9\": \"\xe2\x82\xac\"}"})
+  for (const char* ok :
+       {"{}", " {\"a\": 1}", "{\"a\":[1,2.5e-3,-0,true,false,null,\"x\"]}\n",
+        "{\"k\\\"\\u00e9\": {\"n\": {}}, \"e\": \"\\u20ac\"}", "{\"\xc3\xa9\": \"\xe2\x82\xac\"}"})
     EXPECT_TRUE(accepts(g, ok)) << ok;
-  for (const char* bad : {"[]", "1", "{", "{\"a\" 1}", "{\"a\":01}", "{\"a\":1,}", "{\"a\":tru}",
-                          "{'a':1}", "{\"a\":\"\x01\"}", "{\"a\":\"\xc0\xaf\"}", "{\"a\":\"\xed\xa0\x80\"}",
-                          "{\"a\":1.}", "{\"a\":-}", "{\"a\":\"\\x\"}", "{}x"})
+  for (const char* bad :
+       {"[]", "1", "{", "{\"a\" 1}", "{\"a\":01}", "{\"a\":1,}", "{\"a\":tru}", "{'a':1}",
+        "{\"a\":\"\x01\"}", "{\"a\":\"\xc0\xaf\"}", "{\"a\":\"\xed\xa0\x80\"}", "{\"a\":1.}",
+        "{\"a\":-}", "{\"a\":\"\\x\"}", "{}x"})
     EXPECT_FALSE(accepts(g, bad)) << bad;
   // Surrogate escapes are not generated at all (raw UTF-8 is): a lone one
   // would fail a strict parser.
@@ -89,11 +92,15 @@ TEST(JsonConstraint, RefsAnyOfTypeListsAndAdditionalProperties) {
   EXPECT_TRUE(accepts(n, "1"));
   EXPECT_TRUE(accepts(n, "10 "));
   EXPECT_FALSE(accepts(n, "1000"));
-  auto arr = JsonGrammar::from_schema(json::parse(R"({"type": "array", "items": {"type": "integer"}, "minItems": 2})"));
+  auto arr = JsonGrammar::from_schema(
+      json::parse(R"({"type": "array", "items": {"type": "integer"}, "minItems": 2})"));
   EXPECT_TRUE(accepts(arr, "[1,22]"));
   EXPECT_FALSE(accepts(arr, "[1]"));
   EXPECT_TRUE(accepts(JsonGrammar::from_schema(json::parse("{}")), "\"any\""));
-  EXPECT_TRUE(accepts(JsonGrammar::from_schema(json::parse(R"({"$ref": "#/definitions/s", "definitions": {"s": {"type": "string"}}})")), "\"s\""));
+  EXPECT_TRUE(accepts(
+      JsonGrammar::from_schema(
+          json::parse(R"({"$ref": "#/definitions/s", "definitions": {"s": {"type": "string"}}})")),
+      "\"s\""));
 }
 
 TEST(JsonConstraint, UnsupportedSchemasAreRefusedByName) {
@@ -107,14 +114,19 @@ TEST(JsonConstraint, UnsupportedSchemasAreRefusedByName) {
   };
   EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {"type": "strin"}}})"),
             "schema.properties.a.type: 'strin' is not a JSON Schema type");
-  EXPECT_EQ(msg(R"({"properties": {"a": {"$ref": "http://x"}}})").rfind("schema.properties.a.$ref: 'http://x' is not supported", 0), 0u);
+  EXPECT_EQ(msg(R"({"properties": {"a": {"$ref": "http://x"}}})")
+                .rfind("schema.properties.a.$ref: 'http://x' is not supported", 0),
+            0u);
   EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {}}, "required": ["b"]})"),
             "schema.required: 'b' is not one of the properties");
   EXPECT_EQ(msg(R"({"allOf": [{}, {}]})"), "schema.allOf: only a list of one schema is supported");
   EXPECT_EQ(msg("false"), "schema: the schema false allows nothing");
-  EXPECT_EQ(msg(R"({"type": "array", "minItems": 3, "maxItems": 1})"), "schema: minItems is larger than maxItems");
-  EXPECT_EQ(msg(R"({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+", "format": "date"}}})"),
-            "accepted") << "string bounds are not enforced, but not refused";
+  EXPECT_EQ(msg(R"({"type": "array", "minItems": 3, "maxItems": 1})"),
+            "schema: minItems is larger than maxItems");
+  EXPECT_EQ(
+      msg(R"({"type": "object", "properties": {"a": {"type": "string", "pattern": "x+", "format": "date"}}})"),
+      "accepted")
+      << "string bounds are not enforced, but not refused";
 }
 
 // The mask from the trie walk equals feeding every token's bytes one by one.
@@ -125,8 +137,17 @@ TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
   auto g = JsonGrammar::from_schema(json::parse(R"({"type": "object", "properties": {
     "title": {"type": "string"}, "n": {"type": "number"}, "kind": {"enum": ["alpha", "beta"]}},
     "required": ["title", "n", "kind"]})"));
-  const char* prefixes[] = {"", " ", "{", "{\"", "{\"ti", "{\"title\": \"ab", "{\"title\": \"a\\", "{\"title\": \"\xe2\x82",
-                            "{\"title\": \"x\", \"n\": 1", "{\"title\": \"x\", \"n\": 1.5e", "{\"title\": \"x\", \"n\": 0, \"kind\": \"al",
+  const char* prefixes[] = {"",
+                            " ",
+                            "{",
+                            "{\"",
+                            "{\"ti",
+                            "{\"title\": \"ab",
+                            "{\"title\": \"a\\",
+                            "{\"title\": \"\xe2\x82",
+                            "{\"title\": \"x\", \"n\": 1",
+                            "{\"title\": \"x\", \"n\": 1.5e",
+                            "{\"title\": \"x\", \"n\": 0, \"kind\": \"al",
                             "{\"title\": \"x\", \"n\": 0, \"kind\": \"beta\""};
   std::vector<uint8_t> mask;
   for (const char* p : prefixes) {

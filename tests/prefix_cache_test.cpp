@@ -4,6 +4,8 @@
 // a hybrid model (exact-length states only, branch points) and on a
 // pure-attention one (any common prefix), with the same tokens as a
 // generator that reuses nothing.
+#include "engine/prefix_cache.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
@@ -15,7 +17,6 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "engine/generator.h"
-#include "engine/prefix_cache.h"
 #include "engine/sequence.h"
 #include "fixture_util.h"
 #include "text/tokenizer.h"
@@ -29,7 +30,9 @@ using test::fixture_dir;
 class FakeCache final : public SequenceCache {
  public:
   explicit FakeCache(size_t bytes) : bytes_(bytes) {}
-  std::unique_ptr<SequenceCache> clone() const override { return std::make_unique<FakeCache>(bytes_); }
+  std::unique_ptr<SequenceCache> clone() const override {
+    return std::make_unique<FakeCache>(bytes_);
+  }
   size_t bytes() const override { return bytes_; }
 
  private:
@@ -37,7 +40,9 @@ class FakeCache final : public SequenceCache {
 };
 
 // Entry sizes in the test below are the state's bytes + 4 per token.
-std::unique_ptr<SequenceCache> fake(size_t bytes) { return std::make_unique<FakeCache>(bytes); }
+std::unique_ptr<SequenceCache> fake(size_t bytes) {
+  return std::make_unique<FakeCache>(bytes);
+}
 
 TEST(PrefixCache, FindsTheLongestUsablePrefix) {
   PrefixCache c(1 << 20, 8);
@@ -78,7 +83,7 @@ TEST(PrefixCache, EvictsTheLeastRecentlyUsedWithinItsLimits) {
   ASSERT_TRUE(c.insert({2}, fake(296), {}));
   ASSERT_TRUE(c.insert({3}, fake(296), {}));
   EXPECT_EQ(c.bytes(), 900u);
-  c.find_prefix(std::vector<int>{1, 7});  // 1 is now the most recent
+  c.find_prefix(std::vector<int>{1, 7});      // 1 is now the most recent
   ASSERT_TRUE(c.insert({4}, fake(296), {}));  // over the budget and the count: 2 goes
   EXPECT_EQ(c.size(), 3u);
   EXPECT_EQ(c.reach(std::vector<int>{2}, false), 0u);
@@ -233,7 +238,8 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   plain.set_prefix_cache(0, 0);
 
   const std::vector<int> pre = random_tokens(24, V, 1);
-  const std::vector<int> a = cat(pre, random_tokens(5, V, 2)), bb = cat(pre, random_tokens(6, V, 3)),
+  const std::vector<int> a = cat(pre, random_tokens(5, V, 2)),
+                         bb = cat(pre, random_tokens(6, V, 3)),
                          c = cat(pre, random_tokens(4, V, 4));
   ASSERT_EQ(engine::common_prefix(a, bb), 24u);
   ASSERT_EQ(engine::common_prefix(bb, c), 24u);
@@ -254,7 +260,8 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   // Conversation A continues after B and C ran: its live sequence (prompt +
   // the 19 generated tokens fed, at least keep_min_tokens past its kept
   // prompt) was parked when B came, and is extended.
-  const std::vector<int> a2 = cat(cat(a, std::vector<int>(oa.ids.begin(), oa.ids.begin() + 19)), {5, 6, 7});
+  const std::vector<int> a2 =
+      cat(cat(a, std::vector<int>(oa.ids.begin(), oa.ids.begin() + 19)), {5, 6, 7});
   Out oa2 = gen(g, a2, 3);
   EXPECT_EQ(oa2.result.cached_tokens, static_cast<int>(a.size()) + 19);
   EXPECT_EQ(oa2.ids, gen(plain, a2, 3).ids);
@@ -265,7 +272,8 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   EXPECT_EQ(ob2.ids, ob.ids);
 
   // Below branch_min_tokens no branch point is kept.
-  const std::vector<int> short1 = cat(random_tokens(5, V, 9), {1, 2}), short2 = cat(random_tokens(5, V, 9), {3, 4}),
+  const std::vector<int> short1 = cat(random_tokens(5, V, 9), {1, 2}),
+                         short2 = cat(random_tokens(5, V, 9), {3, 4}),
                          short3 = cat(random_tokens(5, V, 9), {5, 6});
   gen(g, short1, 1);
   gen(g, short2, 1);
@@ -293,7 +301,8 @@ TEST(PrefixCache, AttentionGeneratorReusesAnyCommonPrefix) {
   engine::Generator plain(b, tokenizer(), 256);
   plain.set_prefix_cache(0, 0);
   const std::vector<int> pre = random_tokens(20, V, 11);
-  const std::vector<int> a = cat(pre, random_tokens(5, V, 12)), bb = cat(pre, random_tokens(6, V, 13));
+  const std::vector<int> a = cat(pre, random_tokens(5, V, 12)),
+                         bb = cat(pre, random_tokens(6, V, 13));
   Out oa = gen(g, a, 4);
   Out ob = gen(g, bb, 4);
   EXPECT_EQ(ob.result.cached_tokens, 20) << "the live sequence cut back to the shared preamble";

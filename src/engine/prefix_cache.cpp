@@ -6,8 +6,9 @@ namespace lily::engine {
 
 size_t common_prefix(std::span<const int> a, std::span<const int> b) {
   const size_t n = std::min(a.size(), b.size());
-  return static_cast<size_t>(std::mismatch(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(n), b.begin()).first -
-                             a.begin());
+  return static_cast<size_t>(
+      std::mismatch(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(n), b.begin()).first -
+      a.begin());
 }
 
 void PrefixCache::configure(size_t budget_bytes, int max_entries) {

@@ -56,7 +56,8 @@ class PrefixCache {
   // least recently used ones to stay within the limits. Returns false (and
   // keeps nothing) when the state alone is over the budget or the cache is
   // off (max_entries 0).
-  bool insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state, std::vector<float> logits);
+  bool insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state,
+              std::vector<float> logits);
 
   bool enabled() const { return max_entries_ > 0 && budget_ > 0; }
   size_t bytes() const { return bytes_; }

@@ -31,6 +31,12 @@ void sample(std::string& out, const std::string& name, double v) {
   out += '\n';
 }
 
+// A metric of one sample: its HELP / TYPE lines and the value.
+void metric(std::string& out, const char* name, const char* type, const char* help, double v) {
+  header(out, name, type, help);
+  sample(out, name, v);
+}
+
 }  // namespace
 
 Histogram::Histogram(std::vector<double> bounds)
@@ -94,47 +100,46 @@ std::string Metrics::render() const {
       out += "lily_requests_total{route=\"" + key.first + "\",status=\"" +
              std::to_string(key.second) + "\"} " + std::to_string(n) + "\n";
   }
-  header(out, "lily_generations_total", "counter", "Generations run by the engine.");
-  sample(out, "lily_generations_total", static_cast<double>(generations_.load()));
-  header(out, "lily_generations_cancelled_total", "counter",
-         "Generations cancelled (client gone, queue overflow, shutdown).");
-  sample(out, "lily_generations_cancelled_total", static_cast<double>(cancelled_.load()));
-  header(out, "lily_prompt_tokens_total", "counter", "Prompt tokens processed (cached included).");
-  sample(out, "lily_prompt_tokens_total", static_cast<double>(prompt_tokens_.load()));
-  header(out, "lily_generated_tokens_total", "counter", "Completion tokens generated.");
-  sample(out, "lily_generated_tokens_total", static_cast<double>(generated_tokens_.load()));
-  header(out, "lily_prefix_cache_lookups_total", "counter",
-         "Generations that looked for a reusable prefix.");
-  sample(out, "lily_prefix_cache_lookups_total", static_cast<double>(prefix_lookups_.load()));
-  header(out, "lily_prefix_cache_hits_total", "counter",
-         "Generations that reused a cached prefix of their prompt.");
-  sample(out, "lily_prefix_cache_hits_total", static_cast<double>(prefix_hits_.load()));
-  header(out, "lily_prefix_cache_hit_tokens_total", "counter",
-         "Prompt tokens served from the cached prefix.");
-  sample(out, "lily_prefix_cache_hit_tokens_total", static_cast<double>(cached_tokens_.load()));
-  header(out, "lily_prefix_cache_bytes", "gauge", "Memory held by kept model states (prefix cache).");
-  sample(out, "lily_prefix_cache_bytes", static_cast<double>(prefix_cache_bytes.load()));
-  header(out, "lily_prefix_cache_entries", "gauge", "Model states kept (prefix cache).");
-  sample(out, "lily_prefix_cache_entries", static_cast<double>(prefix_cache_entries.load()));
-  header(out, "lily_prefix_cache_evictions_total", "counter",
-         "Kept model states dropped to stay within the prefix cache's limits.");
-  sample(out, "lily_prefix_cache_evictions_total", static_cast<double>(prefix_cache_evictions.load()));
+  metric(out, "lily_generations_total", "counter", "Generations run by the engine.",
+         static_cast<double>(generations_.load()));
+  metric(out, "lily_generations_cancelled_total", "counter",
+         "Generations cancelled (client gone, queue overflow, shutdown).",
+         static_cast<double>(cancelled_.load()));
+  metric(out, "lily_prompt_tokens_total", "counter", "Prompt tokens processed (cached included).",
+         static_cast<double>(prompt_tokens_.load()));
+  metric(out, "lily_generated_tokens_total", "counter", "Completion tokens generated.",
+         static_cast<double>(generated_tokens_.load()));
+  metric(out, "lily_prefix_cache_lookups_total", "counter",
+         "Generations that looked for a reusable prefix.",
+         static_cast<double>(prefix_lookups_.load()));
+  metric(out, "lily_prefix_cache_hits_total", "counter",
+         "Generations that reused a cached prefix of their prompt.",
+         static_cast<double>(prefix_hits_.load()));
+  metric(out, "lily_prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens served from the cached prefix.",
+         static_cast<double>(cached_tokens_.load()));
+  metric(out, "lily_prefix_cache_bytes", "gauge",
+         "Memory held by kept model states (prefix cache).",
+         static_cast<double>(prefix_cache_bytes.load()));
+  metric(out, "lily_prefix_cache_entries", "gauge", "Model states kept (prefix cache).",
+         static_cast<double>(prefix_cache_entries.load()));
+  metric(out, "lily_prefix_cache_evictions_total", "counter",
+         "Kept model states dropped to stay within the prefix cache's limits.",
+         static_cast<double>(prefix_cache_evictions.load()));
   header(out, "lily_time_to_first_token_seconds", "histogram",
          "From the request reaching the engine queue to its first generated token.");
   ttft_.render(out, "lily_time_to_first_token_seconds");
   header(out, "lily_decode_tokens_per_second", "histogram",
          "Per-request decode rate (tokens after the first / their time).");
   decode_rate_.render(out, "lily_decode_tokens_per_second");
-  header(out, "lily_decode_seconds_total", "counter", "Time spent decoding.");
-  sample(out, "lily_decode_seconds_total", static_cast<double>(decode_micros_.load()) / 1e6);
-  header(out, "lily_decode_tokens_total", "counter", "Tokens decoded (after each first token).");
-  sample(out, "lily_decode_tokens_total", static_cast<double>(decode_tokens_.load()));
-  header(out, "lily_queue_depth", "gauge", "Requests waiting for the engine.");
-  sample(out, "lily_queue_depth", queue_depth.load());
-  header(out, "lily_running_requests", "gauge", "Requests the engine is running.");
-  sample(out, "lily_running_requests", running.load());
-  header(out, "lily_open_streams", "gauge", "Streaming responses in progress.");
-  sample(out, "lily_open_streams", open_streams.load());
+  metric(out, "lily_decode_seconds_total", "counter", "Time spent decoding.",
+         static_cast<double>(decode_micros_.load()) / 1e6);
+  metric(out, "lily_decode_tokens_total", "counter", "Tokens decoded (after each first token).",
+         static_cast<double>(decode_tokens_.load()));
+  metric(out, "lily_queue_depth", "gauge", "Requests waiting for the engine.", queue_depth.load());
+  metric(out, "lily_running_requests", "gauge", "Requests the engine is running.", running.load());
+  metric(out, "lily_open_streams", "gauge", "Streaming responses in progress.",
+         open_streams.load());
   return out;
 }
 

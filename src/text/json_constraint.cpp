@@ -18,9 +18,15 @@ constexpr int kMaxDepth = 64;   // nesting
 constexpr int kMaxStacks = 64;  // alternatives followed at once (anyOf)
 constexpr int kMaxProps = 64;   // properties of one object schema
 
-bool is_ws(uint8_t c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
-bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
-bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+bool is_ws(uint8_t c) {
+  return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
+bool is_digit(uint8_t c) {
+  return c >= '0' && c <= '9';
+}
+bool is_hex(uint8_t c) {
+  return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+}
 
 // UTF-8 as RFC 3629 has it (what a strict JSON parser accepts). State 0:
 // between characters; else (continuation bytes left) | (range of the next
@@ -38,7 +44,8 @@ int utf8_step(int st, uint8_t c) {
     if (c == 0xF4) return 3 | (4 << 2);
     return -1;
   }
-  static constexpr uint8_t lo[5] = {0x80, 0xA0, 0x80, 0x90, 0x80}, hi[5] = {0xBF, 0xBF, 0x9F, 0xBF, 0x8F};
+  static constexpr uint8_t lo[5] = {0x80, 0xA0, 0x80, 0x90, 0x80},
+                           hi[5] = {0xBF, 0xBF, 0x9F, 0xBF, 0x8F};
   const int r = st >> 2;
   if (c < lo[r] || c > hi[r]) return -1;
   return (st & 3) - 1;
@@ -81,7 +88,8 @@ int string_step(uint8_t& phase, uint8_t& u8, uint8_t c) {
   }
   if (!is_hex(c)) return -1;
   if (phase == 2) u8 = (c == 'd' || c == 'D') ? 1 : 0;
-  if (phase == 3 && u8 == 1 && (c >= '8' || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'))) return -1;
+  if (phase == 3 && u8 == 1 && (c >= '8' || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F')))
+    return -1;
   if (phase == 3) u8 = 0;
   phase = phase == 5 ? 0 : static_cast<uint8_t>(phase + 1);
   return 0;
@@ -126,13 +134,15 @@ struct SchemaCompiler {
         if (r.rfind(b, 0) == 0) {
           const std::string name = r.substr(b.size());
           const std::string key = b.substr(2, b.size() - 3);
-          if (root.is_object() && root.contains(key) && root[key].is_object() && root[key].contains(name))
+          if (root.is_object() && root.contains(key) && root[key].is_object() &&
+              root[key].contains(name))
             target = &root[key][name];
         }
       }
     }
     if (!target)
-      fail(where, ".$ref: '", r, "' is not supported (only '#', '#/$defs/NAME' and '#/definitions/NAME' of this schema)");
+      fail(where, ".$ref: '", r,
+           "' is not supported (only '#', '#/$defs/NAME' and '#/definitions/NAME' of this schema)");
     // Reserve the node first: a schema may refer to itself.
     const int slot = add({});
     refs[r] = slot;
@@ -144,7 +154,8 @@ struct SchemaCompiler {
     return slot;
   }
 
-  int compile_type(const std::string& type, const nlohmann::ordered_json& s, const std::string& where) {
+  int compile_type(const std::string& type, const nlohmann::ordered_json& s,
+                   const std::string& where) {
     using K = JsonGrammar::Node::Kind;
     JsonGrammar::Node n;
     if (type == "string") {
@@ -205,7 +216,8 @@ struct SchemaCompiler {
           g.nodes_[static_cast<size_t>(self)].props[i].node = child;
         }
       }
-      if (additional == -2) additional = compile(s["additionalProperties"], where + ".additionalProperties");
+      if (additional == -2)
+        additional = compile(s["additionalProperties"], where + ".additionalProperties");
       g.nodes_[static_cast<size_t>(self)].additional = additional;
       return self;
     } else if (type == "array") {
@@ -213,7 +225,8 @@ struct SchemaCompiler {
       if (s.contains("prefixItems")) fail(where, ".prefixItems: not supported");
       auto count = [&](const char* k, int dflt) {
         if (!s.contains(k)) return dflt;
-        if (!s[k].is_number_integer() || s[k].get<long long>() < 0 || s[k].get<long long>() > (1 << 30))
+        if (!s[k].is_number_integer() || s[k].get<long long>() < 0 ||
+            s[k].get<long long>() > (1 << 30))
           fail(where, ".", k, ": expected a non-negative integer");
         return static_cast<int>(s[k].get<long long>());
       };
@@ -242,7 +255,8 @@ struct SchemaCompiler {
     }
     if (s.contains("const")) return literal({s["const"].dump()});
     if (s.contains("enum")) {
-      if (!s["enum"].is_array() || s["enum"].empty()) fail(where, ".enum: expected a non-empty array");
+      if (!s["enum"].is_array() || s["enum"].empty())
+        fail(where, ".enum: expected a non-empty array");
       std::vector<std::string> texts;
       for (const auto& v : s["enum"]) texts.push_back(v.dump());
       return literal(std::move(texts));
@@ -317,7 +331,8 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
 
 // --------------------------------------------------------------------- trie
 
-TokenTrie::Trie TokenTrie::make(const std::vector<std::string>& bytes, const std::vector<int>& ids) {
+TokenTrie::Trie TokenTrie::make(const std::vector<std::string>& bytes,
+                                const std::vector<int>& ids) {
   std::vector<int> order = ids;
   std::sort(order.begin(), order.end(), [&](int a, int b) {
     return bytes[static_cast<size_t>(a)] < bytes[static_cast<size_t>(b)];
@@ -376,8 +391,10 @@ std::shared_ptr<const TokenTrie> TokenTrie::build(const Tokenizer& tokenizer, in
       if (st < 0) plain = false;
       if (!plain) break;
     }
-    if (plain && st == 0) t->plain_.push_back(id);
-    else not_plain.push_back(id);
+    if (plain && st == 0)
+      t->plain_.push_back(id);
+    else
+      not_plain.push_back(id);
   }
   t->all_ = make(t->bytes_, all);
   t->not_plain_ = make(t->bytes_, not_plain);
@@ -452,7 +469,9 @@ struct Stacks {
   }
 };
 
-bool number_complete(uint8_t phase) { return phase == 2 || phase == 3 || phase == 5 || phase == 8; }
+bool number_complete(uint8_t phase) {
+  return phase == 2 || phase == 3 || phase == 5 || phase == 8;
+}
 
 }  // namespace
 
@@ -468,13 +487,18 @@ struct JsonMatcher::Impl {
     Frame f = parent->f;
     f.ws = 0;
     switch (f.kind) {
-      case F_ROOT: f.phase = R_AFTER; break;
-      case F_OBJECT: f.phase = O_AFTER; break;
+      case F_ROOT:
+        f.phase = R_AFTER;
+        break;
+      case F_OBJECT:
+        f.phase = O_AFTER;
+        break;
       case F_ARRAY:
         f.phase = A_AFTER;
         f.a++;
         break;
-      default: break;
+      default:
+        break;
     }
     return ar.make(f, parent->up);
   }
@@ -519,7 +543,8 @@ struct JsonMatcher::Impl {
   }
 
   // hops: anyOf expansions so far (a schema may refer to itself).
-  void start_value(const FNode* parent, int n, uint8_t c, Stacks& out, Arena& ar, int hops = 0) const {
+  void start_value(const FNode* parent, int n, uint8_t c, Stacks& out, Arena& ar,
+                   int hops = 0) const {
     if (parent->depth >= kMaxDepth || hops > 32) return;
     const JsonGrammar::Node& nd = node(n);
     using K = JsonGrammar::Node::Kind;
@@ -530,8 +555,10 @@ struct JsonMatcher::Impl {
         for (int alt : nd.alts) start_value(parent, alt, c, out, ar, hops + 1);
         return;
       case K::Any:
-        if (c == '{') start_value(parent, 1, c, out, ar);
-        else if (c == '[') start_value(parent, 2, c, out, ar);
+        if (c == '{')
+          start_value(parent, 1, c, out, ar);
+        else if (c == '[')
+          start_value(parent, 2, c, out, ar);
         else if (c == '"') {
           f.kind = F_STRING;
           out.add(ar.make(f, parent));
@@ -543,22 +570,18 @@ struct JsonMatcher::Impl {
         }
         return;
       case K::Object:
-        if (c != '{') return;
-        f.kind = F_OBJECT;
-        f.phase = O_OPEN;
-        out.add(ar.make(f, parent));
-        return;
       case K::Array:
-        if (c != '[') return;
-        f.kind = F_ARRAY;
-        f.phase = A_OPEN;
+      case K::String: {
+        // Opened by their first byte; O_OPEN, A_OPEN and a string's plain phase are all 0.
+        static constexpr struct {
+          uint8_t open, kind;
+        } kOpen[] = {{'{', F_OBJECT}, {'[', F_ARRAY}, {'"', F_STRING}};
+        const auto& o = kOpen[nd.kind == K::Object ? 0 : nd.kind == K::Array ? 1 : 2];
+        if (c != o.open) return;
+        f.kind = o.kind;
         out.add(ar.make(f, parent));
         return;
-      case K::String:
-        if (c != '"') return;
-        f.kind = F_STRING;
-        out.add(ar.make(f, parent));
-        return;
+      }
       case K::Number:
       case K::Integer:
         f.kind = F_NUMBER;
@@ -594,8 +617,10 @@ struct JsonMatcher::Impl {
         switch (f.phase) {
           case O_OPEN:
             if (take_ws(s, c, out, ar)) return;
-            if (c == '"') start_key(s, f, out, ar);
-            else if (c == '}' && !required_left(obj, f.a)) out.add(done(s->up, ar));
+            if (c == '"')
+              start_key(s, f, out, ar);
+            else if (c == '}' && !required_left(obj, f.a))
+              out.add(done(s->up, ar));
             return;
           case O_KEYNEXT:
             if (take_ws(s, c, out, ar)) return;
@@ -717,28 +742,46 @@ struct JsonMatcher::Impl {
       case F_STRING: {
         Frame t = f;
         const int r = string_step(t.phase, t.u8, c);
-        if (r == 0) out.add(ar.make(t, s->up));
-        else if (r == 1) out.add(done(s->up, ar));
+        if (r == 0)
+          out.add(ar.make(t, s->up));
+        else if (r == 1)
+          out.add(done(s->up, ar));
         return;
       }
       case F_NUMBER: {
         const bool integer = f.b != 0;
         int np = -1;
         switch (f.phase) {
-          case 0: np = c == '-' ? 1 : c == '0' ? 2 : is_digit(c) ? 3 : -1; break;
-          case 1: np = c == '0' ? 2 : is_digit(c) ? 3 : -1; break;
+          case 0:
+            np = c == '-' ? 1 : c == '0' ? 2 : is_digit(c) ? 3 : -1;
+            break;
+          case 1:
+            np = c == '0' ? 2 : is_digit(c) ? 3 : -1;
+            break;
           case 2:
           case 3:
-            if (f.phase == 3 && is_digit(c)) np = 3;
-            else if (c == '.' && !integer) np = 4;
-            else if ((c == 'e' || c == 'E') && !integer) np = 6;
+            if (f.phase == 3 && is_digit(c))
+              np = 3;
+            else if (c == '.' && !integer)
+              np = 4;
+            else if ((c == 'e' || c == 'E') && !integer)
+              np = 6;
             break;
-          case 4: np = is_digit(c) ? 5 : -1; break;
-          case 5: np = is_digit(c) ? 5 : (c == 'e' || c == 'E') ? 6 : -1; break;
-          case 6: np = (c == '+' || c == '-') ? 7 : is_digit(c) ? 8 : -1; break;
+          case 4:
+            np = is_digit(c) ? 5 : -1;
+            break;
+          case 5:
+            np = is_digit(c) ? 5 : (c == 'e' || c == 'E') ? 6 : -1;
+            break;
+          case 6:
+            np = (c == '+' || c == '-') ? 7 : is_digit(c) ? 8 : -1;
+            break;
           case 7:
-          case 8: np = is_digit(c) ? 8 : -1; break;
-          default: break;
+          case 8:
+            np = is_digit(c) ? 8 : -1;
+            break;
+          default:
+            break;
         }
         if (np >= 0) {
           if (f.a + 1 > kMaxNumber) return;
@@ -756,10 +799,12 @@ struct JsonMatcher::Impl {
         const size_t pos = static_cast<size_t>(f.a);
         size_t lo = static_cast<size_t>(f.b), hi = static_cast<size_t>(f.mask);
         size_t nlo = lo;
-        while (nlo < hi && !(texts[nlo].size() > pos && static_cast<uint8_t>(texts[nlo][pos]) == c)) ++nlo;
+        while (nlo < hi && !(texts[nlo].size() > pos && static_cast<uint8_t>(texts[nlo][pos]) == c))
+          ++nlo;
         if (nlo < hi) {
           size_t nhi = nlo;
-          while (nhi < hi && texts[nhi].size() > pos && static_cast<uint8_t>(texts[nhi][pos]) == c) ++nhi;
+          while (nhi < hi && texts[nhi].size() > pos && static_cast<uint8_t>(texts[nhi][pos]) == c)
+            ++nhi;
           Frame t = f;
           t.a++;
           t.b = static_cast<int32_t>(nlo);
@@ -822,7 +867,8 @@ struct JsonMatcher::Impl {
   }
 };
 
-JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar) : impl_(std::make_unique<Impl>()) {
+JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar)
+    : impl_(std::make_unique<Impl>()) {
   impl_->g = std::move(grammar);
   impl_->cur.add(impl_->persist.make(Frame{}, nullptr));
 }

@@ -27,12 +27,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace lily::text {
 
@@ -85,7 +84,7 @@ class TokenTrie {
     int child;
   };
   struct Node {
-    int first_edge = 0, num_edges = 0;   // into edges_
+    int first_edge = 0, num_edges = 0;    // into edges_
     int first_token = 0, num_tokens = 0;  // into tokens_: ids ending here
   };
   int vocab_size() const { return vocab_; }
@@ -101,8 +100,8 @@ class TokenTrie {
   static Trie make(const std::vector<std::string>& bytes, const std::vector<int>& ids);
   int vocab_ = 0;
   std::vector<std::string> bytes_;  // per id ("" for left-out ids)
-  Trie all_;            // every token
-  Trie not_plain_;      // tokens that are not plain string content
+  Trie all_;                        // every token
+  Trie not_plain_;                  // tokens that are not plain string content
   std::vector<int> plain_;  // tokens that are: printable, no '"' or '\', whole UTF-8 characters
 };
 
