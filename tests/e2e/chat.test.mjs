@@ -384,7 +384,10 @@ test('a client that disconnects mid-stream has its generation cancelled', async 
   let seen = 0;
   try {
     for await (const c of stream) {
-      if (c.choices[0]?.delta?.content && ++seen === 3) controller.abort();
+      if (c.choices[0]?.delta?.content && ++seen === 3) {
+        controller.abort();
+        break;  // chunks already received would still be iterated
+      }
     }
   } catch {
     // Aborting may end the iteration quietly or with an abort error.
