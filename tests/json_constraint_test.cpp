@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -42,6 +43,17 @@ TEST(JsonConstraint, AnyObjectIsStrictJson) {
   // would fail a strict parser.
   EXPECT_FALSE(accepts(g, "{\"e\": \"\\ud83d\"}"));
   EXPECT_FALSE(accepts(g, "{\"e\": \"\\uDC00\"}"));
+  // can_feed answers without moving the state.
+  {
+    JsonMatcher m(g);
+    EXPECT_TRUE(m.can_feed("{\"a\""));
+    EXPECT_FALSE(m.can_feed("}"));
+    EXPECT_TRUE(m.feed("{"));
+    EXPECT_TRUE(m.can_feed("}"));
+    EXPECT_FALSE(m.can_feed("{"));
+    EXPECT_TRUE(m.feed("}"));
+    EXPECT_TRUE(m.accepting());
+  }
   // Prefixes of valid text are fed; a complete value is only accepted at its end.
   EXPECT_TRUE(prefix_ok(g, "{\"a\": [1, {\"b\""));
   EXPECT_FALSE(accepts(g, "{\"a\": [1"));
@@ -51,6 +63,8 @@ TEST(JsonConstraint, AnyObjectIsStrictJson) {
   // Numbers are bounded.
   EXPECT_TRUE(accepts(g, "{\"n\": " + std::string(24, '7') + "}"));
   EXPECT_FALSE(prefix_ok(g, "{\"n\": " + std::string(25, '7')));
+  EXPECT_TRUE(accepts(g, "{\"n\": 1.5e-99}"));
+  EXPECT_FALSE(prefix_ok(g, "{\"n\": 1e400")) << "a finite double";
 }
 
 TEST(JsonConstraint, SchemaObjectsFollowTheirProperties) {
@@ -129,6 +143,77 @@ TEST(JsonConstraint, UnsupportedSchemasAreRefusedByName) {
       << "string bounds are not enforced, but not refused";
 }
 
+// Property: for the schema {} (any value), texts a strict parser reads are
+// accepted when they are within the grammar's limits, and every accepted
+// text parses. Random values serialised compactly and indented, then
+// random one-byte edits of them.
+TEST(JsonConstraint, AgreesWithAStrictParser) {
+  auto any = JsonGrammar::from_schema(json::object());
+  std::mt19937 rng(5);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint32_t>(n)); };
+  std::function<json(int)> value = [&](int depth) -> json {
+    switch (depth > 3 ? pick(5) : pick(7)) {
+      case 0:
+        return nullptr;
+      case 1:
+        return pick(2) == 1;
+      case 2:
+        return pick(2000) - 1000;
+      case 3:
+        return (pick(200000) - 100000) / 64.0;
+      case 4: {
+        std::string t;
+        const char* parts[] = {"a",    "\"",       "\\",           "\n",
+                               "\x01", "\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80",
+                               " ",    "/"};
+        for (int i = pick(6); i > 0; --i) t += parts[pick(10)];
+        return t;
+      }
+      case 5: {
+        json a = json::array();
+        for (int i = pick(4); i > 0; --i) a.push_back(value(depth + 1));
+        return a;
+      }
+      default: {
+        json o = json::object();
+        for (int i = pick(4); i > 0; --i) o["k" + std::to_string(pick(5))] = value(depth + 1);
+        return o;
+      }
+    }
+  };
+  int accepted_edits = 0;
+  for (int n = 0; n < 2000; ++n) {
+    const json v = value(0);
+    for (const std::string& text : {v.dump(), v.dump(2)}) {
+      EXPECT_TRUE(accepts(any, text)) << text;
+      for (int e = 0; e < 8; ++e) {
+        std::string t = text;
+        const size_t at = static_cast<size_t>(pick(static_cast<int>(t.size()) + 1));
+        const char bytes[] = "{}[],:\"\\ 0-.eE+tfnu\x01\x80\xc3";
+        const char b = bytes[pick(static_cast<int>(sizeof bytes) - 1)];
+        switch (pick(3)) {
+          case 0:
+            t.insert(at, 1, b);
+            break;
+          case 1:
+            if (at < t.size()) t.erase(at, 1);
+            break;
+          default:
+            if (at < t.size()) t[at] = b;
+            break;
+        }
+        if (accepts(any, t)) {
+          ++accepted_edits;
+          EXPECT_FALSE(json::parse(t, nullptr, false).is_discarded())
+              << "accepted but not JSON: "
+              << json(t).dump(-1, ' ', true, json::error_handler_t::replace);
+        }
+      }
+    }
+  }
+  EXPECT_GT(accepted_edits, 500) << "the edits should leave many texts valid";
+}
+
 // The mask from the trie walk equals feeding every token's bytes one by one.
 TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
   static const Tokenizer tok = Tokenizer::from_dir(LILY_FIXTURES_DIR "/tokenizer");
@@ -156,10 +241,8 @@ TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
     m.allowed_tokens(*trie, mask);
     int allowed = 0, mismatches = 0;
     for (int id = 0; id < V; ++id) {
-      JsonMatcher one(g);
-      one.feed(p);
       const std::string_view b = trie->bytes(id);
-      const bool want = !b.empty() && one.feed(b);
+      const bool want = !b.empty() && m.can_feed(b);
       allowed += mask[static_cast<size_t>(id)];
       if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
         ADD_FAILURE() << "prefix '" << p << "' token " << id << " '" << b << "' want " << want;

@@ -456,7 +456,7 @@ class Arena {
   Arena() { reset(); }
 
  private:
-  static constexpr size_t kBlock = 4096;
+  static constexpr size_t kBlock = 1024;
   std::vector<std::unique_ptr<FNode[]>> blocks_;
   size_t block_ = 0, used_ = 0;
 };
@@ -777,8 +777,10 @@ struct JsonMatcher::Impl {
             np = (c == '+' || c == '-') ? 7 : is_digit(c) ? 8 : -1;
             break;
           case 7:
-          case 8:
             np = is_digit(c) ? 8 : -1;
+            break;
+          case 8:
+            np = is_digit(c) && f.u8 < 2 ? 8 : -1;  // e+-99 at most: always a finite double
             break;
           default:
             break;
@@ -788,6 +790,8 @@ struct JsonMatcher::Impl {
           Frame t = f;
           t.phase = static_cast<uint8_t>(np);
           t.a++;
+          t.u8 =
+              np == 8 ? static_cast<uint8_t>(f.phase == 8 ? f.u8 + 1 : 1) : 0;  // exponent digits
           out.add(ar.make(t, s->up));
         } else if (number_complete(f.phase)) {
           step(done(s->up, ar), c, out, ar);
@@ -884,6 +888,18 @@ bool JsonMatcher::feed(std::string_view bytes) {
     st = next;
   }
   impl_->cur = st;
+  return true;
+}
+
+bool JsonMatcher::can_feed(std::string_view bytes) const {
+  impl_->scratch.reset();
+  Stacks st = impl_->cur;
+  for (unsigned char c : bytes) {
+    Stacks next;
+    for (int i = 0; i < st.n; ++i) impl_->step(st.s[i], c, next, impl_->scratch);
+    if (next.n == 0) return false;
+    st = next;
+  }
   return true;
 }
 

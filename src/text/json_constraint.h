@@ -20,8 +20,9 @@
 // pointer refs other than the above, objects with more than 64 properties.
 //
 // Limits that keep every output finite and every state small: at most 24
-// whitespace bytes in a row, numbers of at most 24 characters, nesting at
-// most 64 deep.
+// whitespace bytes in a row, numbers of at most 24 characters with at most 2
+// exponent digits (so every number is a finite double), nesting at most 64
+// deep.
 #pragma once
 
 #include <cstddef>
@@ -115,6 +116,8 @@ class JsonMatcher {
 
   // Consumes bytes; false (and no change) if the grammar does not allow them.
   bool feed(std::string_view bytes);
+  // Whether feed(bytes) would succeed (the state does not change).
+  bool can_feed(std::string_view bytes) const;
   // Whether the output so far is a complete value of the grammar.
   bool accepting() const;
   // mask[id] = 1 for every token whose bytes may come next (others 0);
