@@ -161,6 +161,30 @@ TEST(CliText, TemplateAndRunReproduceChatTinyReference) {
   EXPECT_NE(r.err.find("24 generated"), std::string::npos) << r.err;
 }
 
+// run --json-schema: the reply is JSON of the schema even from a model of
+// random weights; a bad schema is refused naming the file and the place.
+TEST(CliText, RunFollowsAJsonSchema) {
+  const std::string m = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
+                        test::fixture_dir("tokenizer");
+  test::TempModelDir tmp("qwen3");
+  test::write_text(tmp.file("schema.json"), R"({"type": "object", "properties": {
+      "sea": {"enum": ["calm", "rough"]}, "waves": {"type": "integer"}}, "required": ["sea", "waves"]})");
+  CliRun r = run_lily("run" + m + " --quiet --temperature 0 --max-tokens 200 --json-schema " + tmp.file("schema.json") +
+                      " 'Describe the sea.'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_TRUE(j["sea"] == "calm" || j["sea"] == "rough") << r.out;
+  EXPECT_TRUE(j["waves"].is_number_integer()) << r.out;
+  EXPECT_NE(r.err.find(", stop]"), std::string::npos) << r.err;
+
+  test::write_text(tmp.file("bad.json"), R"({"type": "object", "properties": {"a": {"type": "strin"}}})");
+  r = run_lily("run" + m + " --quiet --json-schema " + tmp.file("bad.json") + " 'x'");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("bad.json: schema.properties.a.type: 'strin' is not a JSON Schema type"), std::string::npos)
+      << r.err;
+}
+
 TEST(CliText, ChatKeepsTheConversation) {
   const std::string m = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
                         test::fixture_dir("tokenizer");

@@ -14,6 +14,7 @@
 #include "core/mapped_file.h"
 #include "engine/generator.h"
 #include "server/served_model.h"
+#include "text/json_constraint.h"
 #include "text/output_parser.h"
 
 namespace lily::cli {
@@ -72,6 +73,7 @@ struct ChatSession {
   ojson messages = ojson::array();
   std::string system;
   bool thinking = true;
+  std::shared_ptr<const text::JsonGrammar> json;  // --json-schema FILE / --json: constrained replies
 
   ChatSession(server::ServedModel& m, int context, const Args& a)
       : model(m), generator(*m.backend, *m.tokenizer, context), sampling(m.default_sampling) {
@@ -86,6 +88,18 @@ struct ChatSession {
     }
     system = a.str("--system");
     thinking = !a.has("--no-think");
+    if (a.has("--json-schema")) {
+      const std::string path = a.str("--json-schema");
+      const ojson schema = ojson::parse(read_text_file(path), nullptr, false);
+      if (schema.is_discarded()) fail("--json-schema ", path, ": not JSON");
+      try {
+        json = text::JsonGrammar::from_schema(schema);
+      } catch (const Error& e) {
+        fail("--json-schema ", path, ": ", e.what());
+      }
+    } else if (a.has("--json")) {
+      json = text::JsonGrammar::any_object();
+    }
   }
 
   // Runs one user turn; prints the reply as it streams; keeps the history.
@@ -104,6 +118,10 @@ struct ChatSession {
     text::OutputParserOptions po;
     po.reasoning_enabled = true;
     po.starts_in_reasoning = thinking && text::prompt_opens_reasoning(prompt);
+    if (json) {
+      p.json_grammar = json;
+      if (po.starts_in_reasoning) p.grammar_after = "</think>";
+    }
     text::OutputParser parser(po);
     ReplyPrinter out;
     auto result = generator.generate(p, [&](engine::GenerationEvent&& e) {
@@ -132,7 +150,7 @@ int context_for(const server::ServedModel& m, const Args& a) {
 }
 
 const std::set<std::string> kGenFlags = {"--max-tokens", "--temperature", "--top-p", "--top-k",
-                                         "--seed", "--system", "--ctx"};
+                                         "--seed", "--system", "--ctx", "--json-schema"};
 
 }  // namespace
 
@@ -183,7 +201,7 @@ int cmd_run(int argc, char** argv) {
     auto f = with(kModelFlags, {});
     f.insert(kGenFlags.begin(), kGenFlags.end());
     return f;
-  }(), {"--no-think", "--quiet"});
+  }(), {"--no-think", "--quiet", "--json"});
   if (a.positional().size() != 1) fail("lily run takes one prompt argument (quote it)");
   auto m = open_model(a, true, a.has("--quiet"));
   ChatSession s(m, context_for(m, a), a);
@@ -196,7 +214,7 @@ int cmd_chat(int argc, char** argv) {
     auto f = with(kModelFlags, {});
     f.insert(kGenFlags.begin(), kGenFlags.end());
     return f;
-  }(), {"--no-think", "--quiet"});
+  }(), {"--no-think", "--quiet", "--json"});
   auto m = open_model(a, true, a.has("--quiet"));
   ChatSession s(m, context_for(m, a), a);
   std::fprintf(stderr,
