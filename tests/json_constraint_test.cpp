@@ -57,9 +57,16 @@ TEST(JsonConstraint, AnyObjectIsStrictJson) {
   // Prefixes of valid text are fed; a complete value is only accepted at its end.
   EXPECT_TRUE(prefix_ok(g, "{\"a\": [1, {\"b\""));
   EXPECT_FALSE(accepts(g, "{\"a\": [1"));
-  // Whitespace is bounded.
-  EXPECT_TRUE(prefix_ok(g, "{" + std::string(24, ' ')));
-  EXPECT_FALSE(prefix_ok(g, "{" + std::string(25, ' ')));
+  // Whitespace as JSON writers put it: one space, or a newline and indentation.
+  EXPECT_TRUE(accepts(g, "{ \"a\": 1 }"));
+  EXPECT_TRUE(prefix_ok(g, "{\n" + std::string(20, ' ')));
+  EXPECT_TRUE(prefix_ok(g, "{\n\t\t"));
+  EXPECT_FALSE(prefix_ok(g, "{\n" + std::string(21, ' ')));
+  EXPECT_FALSE(prefix_ok(g, "{  "));
+  EXPECT_FALSE(prefix_ok(g, "{\n\n"));
+  EXPECT_FALSE(prefix_ok(g, "{ \n"));
+  EXPECT_FALSE(prefix_ok(g, "{\r\n"));
+  EXPECT_FALSE(prefix_ok(g, "{\t"));
   // Numbers are bounded.
   EXPECT_TRUE(accepts(g, "{\"n\": " + std::string(24, '7') + "}"));
   EXPECT_FALSE(prefix_ok(g, "{\"n\": " + std::string(25, '7')));

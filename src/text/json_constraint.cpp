@@ -12,7 +12,7 @@ namespace lily::text {
 
 namespace {
 
-constexpr int kMaxWs = 24;      // whitespace bytes in a row
+constexpr int kMaxIndent = 20;  // spaces / tabs after a newline
 constexpr int kMaxNumber = 24;  // characters of a number
 constexpr int kMaxDepth = 64;   // nesting
 constexpr int kMaxStacks = 64;  // alternatives followed at once (anyOf)
@@ -504,11 +504,22 @@ struct JsonMatcher::Impl {
   }
 
   // Whitespace where the frame allows it.
+  // Whitespace where the frame allows it, as JSON writers put it: one
+  // space, or one newline and up to kMaxIndent spaces / tabs. f.ws: 0 none
+  // yet, 1 a space, 2 + n a newline and n indent characters.
   static bool take_ws(const FNode* s, uint8_t c, Stacks& out, Arena& ar) {
     if (!is_ws(c)) return false;
-    if (s->f.ws < kMaxWs) {
+    const uint8_t w = s->f.ws;
+    int next = -1;
+    if (c == ' ' && w == 0)
+      next = 1;
+    else if (c == '\n' && w == 0)
+      next = 2;
+    else if ((c == ' ' || c == '\t') && w >= 2 && w - 2 < kMaxIndent)
+      next = w + 1;
+    if (next >= 0) {
       Frame f = s->f;
-      f.ws++;
+      f.ws = static_cast<uint8_t>(next);
       out.add(ar.make(f, s->up));
     }
     return true;

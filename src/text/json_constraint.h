@@ -19,10 +19,11 @@
 // allOf of several schemas, prefixItems, unknown types, remote or JSON
 // pointer refs other than the above, objects with more than 64 properties.
 //
-// Limits that keep every output finite and every state small: at most 24
-// whitespace bytes in a row, numbers of at most 24 characters with at most 2
-// exponent digits (so every number is a finite double), nesting at most 64
-// deep.
+// Limits that keep every output finite and every state small: whitespace
+// between tokens as JSON writers put it (none, one space, or one newline and
+// up to 20 spaces or tabs of indentation), numbers of at most 24 characters
+// with at most 2 exponent digits (so every number is a finite double),
+// nesting at most 64 deep.
 #pragma once
 
 #include <cstddef>
