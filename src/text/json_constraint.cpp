@@ -855,6 +855,17 @@ struct JsonMatcher::Impl {
     }
   }
 
+  // Advances st over bytes; false when no stack survives a byte.
+  bool run(std::string_view bytes, Stacks& st, Arena& ar) const {
+    for (unsigned char c : bytes) {
+      Stacks next;
+      for (int i = 0; i < st.n; ++i) step(st.s[i], c, next, ar);
+      if (next.n == 0) return false;
+      st = next;
+    }
+    return true;
+  }
+
   // Plain string content keeps every stack as it is.
   bool in_plain_string() const {
     if (cur.n == 0) return false;
@@ -892,12 +903,7 @@ JsonMatcher::~JsonMatcher() = default;
 
 bool JsonMatcher::feed(std::string_view bytes) {
   Stacks st = impl_->cur;
-  for (unsigned char c : bytes) {
-    Stacks next;
-    for (int i = 0; i < st.n; ++i) impl_->step(st.s[i], c, next, impl_->persist);
-    if (next.n == 0) return false;
-    st = next;
-  }
+  if (!impl_->run(bytes, st, impl_->persist)) return false;
   impl_->cur = st;
   return true;
 }
@@ -905,13 +911,7 @@ bool JsonMatcher::feed(std::string_view bytes) {
 bool JsonMatcher::can_feed(std::string_view bytes) const {
   impl_->scratch.reset();
   Stacks st = impl_->cur;
-  for (unsigned char c : bytes) {
-    Stacks next;
-    for (int i = 0; i < st.n; ++i) impl_->step(st.s[i], c, next, impl_->scratch);
-    if (next.n == 0) return false;
-    st = next;
-  }
-  return true;
+  return impl_->run(bytes, st, impl_->scratch);
 }
 
 bool JsonMatcher::accepting() const {
