@@ -7,12 +7,14 @@
 // that a request only runs what no kept state covers:
 //   * the live sequence (previous prompt + generated tokens fed so far), for
 //     a follow-up turn that extends it;
-//   * a state kept right after each prompt's prefill, for a follow-up whose
-//     rendering of the reply differs from the generated tokens (e.g. with
-//     the reasoning stripped) and for a regenerate of the same prompt;
-//   * a state kept where two prompts diverged (a branch point), so that
-//     requests sharing a preamble (system prompt, tool definitions) reuse
-//     it from the third on: the prefill of the second stops there first;
+//   * (hybrid models) a state kept right after each prompt's prefill, with
+//     its logits, for a follow-up whose rendering of the reply differs from
+//     the generated tokens (e.g. with the reasoning stripped) and for a
+//     regenerate of the same prompt;
+//   * (hybrid models) a state kept where two prompts diverged (a branch
+//     point), so that requests sharing a preamble (system prompt, tool
+//     definitions) reuse it from the third on: the prefill of the second
+//     stops there first;
 //   * the live sequence of another conversation, parked in the cache when a
 //     request switched away from it.
 // Models without DeltaNet layers reuse any common prefix of any kept state
