@@ -114,6 +114,21 @@ TEST(PrefixCache, EvictsTheLeastRecentlyUsedWithinItsLimits) {
   EXPECT_FALSE(c.insert({7}, fake(1), {}));
 }
 
+TEST(PrefixCache, NeverEvictsTheEntryARequestBuildsOn) {
+  PrefixCache c(1000, 8);
+  const auto* base = c.insert({1}, fake(596), {});  // 600 bytes
+  ASSERT_NE(base, nullptr);
+  EXPECT_EQ(c.insert({1, 2}, fake(496), {}, base), nullptr) << "500 do not fit beside it";
+  EXPECT_EQ(c.size(), 1u);
+  EXPECT_EQ(c.evictions(), 0u);
+  ASSERT_NE(c.insert({3}, fake(296), {}), nullptr);  // 900 bytes now; {1} is the older
+  ASSERT_NE(c.insert({1, 2}, fake(392), {}, base), nullptr) << "{3} goes instead";
+  EXPECT_EQ(c.reach(std::vector<int>{1}, false), 1u);
+  EXPECT_EQ(c.reach(std::vector<int>{3}, false), 0u);
+  // An entry replaced by its own new state is no obstacle.
+  EXPECT_NE(c.insert({1}, fake(96), {}, base), nullptr);
+}
+
 Backend& backend_for(const std::string& fixture) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
   auto& b = cache[fixture];
@@ -291,6 +306,28 @@ TEST(PrefixCache, HybridGeneratorKeepsBranchPointsAndParkedConversations) {
   EXPECT_EQ(gen(g, bb, 1).result.cached_tokens, 0);
   const std::vector<int> bb2 = cat(bb, {8});
   EXPECT_EQ(gen(g, bb2, 1).result.cached_tokens, static_cast<int>(bb.size()));
+}
+
+// A budget with room for one preamble state: the second request's own
+// prompt state must not push out the branch point it just kept.
+TEST(PrefixCache, HybridBranchPointSurvivesATightBudget) {
+  Backend& b = backend_for("qwen3_5_moe");
+  const int V = b.config().vocab_size;
+  engine::Generator g(b, tokenizer(), 256);
+  g.keep_min_tokens = 16;
+  const std::vector<int> pre = random_tokens(24, V, 21);
+  const std::vector<int> a = cat(pre, random_tokens(5, V, 22)), bb = cat(pre, random_tokens(6, V, 23)),
+                         c = cat(pre, random_tokens(4, V, 24));
+  // Measure one kept state, then allow a little more than one.
+  gen(g, a, 1);
+  ASSERT_EQ(g.prefix_cache().size(), 1u);
+  const size_t one = g.prefix_cache().bytes();
+  g.reset();
+  g.set_prefix_cache(one + one / 2, 32);
+  gen(g, a, 1);
+  gen(g, bb, 1);
+  EXPECT_EQ(gen(g, c, 1).result.cached_tokens, 24);
+  EXPECT_EQ(gen(g, bb, 1).result.cached_tokens, 24);
 }
 
 TEST(PrefixCache, AttentionGeneratorReusesAnyCommonPrefix) {

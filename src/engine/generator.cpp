@@ -56,17 +56,19 @@ bool Generator::feed(const std::vector<int>& prompt, size_t end, std::vector<flo
   return true;
 }
 
-void Generator::keep_live(std::vector<float> logits, size_t held, size_t min_new) {
-  if (!cache_.enabled() || seq_.size() == 0) return;
+const PrefixCache::Entry* Generator::keep_live(std::vector<float> logits, size_t held,
+                                               size_t min_new, const PrefixCache::Entry* keep) {
+  if (!cache_.enabled() || seq_.size() == 0) return nullptr;
   const size_t covered = std::max(held, cache_.reach(seq_.tokens(), backend_.can_truncate()));
-  if (static_cast<size_t>(seq_.size()) < covered + std::max<size_t>(1, min_new)) return;
+  if (static_cast<size_t>(seq_.size()) < covered + std::max<size_t>(1, min_new)) return nullptr;
   try {
     Sequence::Snapshot snap = seq_.snapshot();
-    cache_.insert(std::move(snap.tokens), std::move(snap.cache), std::move(logits));
+    return cache_.insert(std::move(snap.tokens), std::move(snap.cache), std::move(logits), keep);
   } catch (const lily::Error&) {
     // No memory for the copy (e.g. on the GPU): go on without keeping it.
   } catch (const std::bad_alloc&) {
   }
+  return nullptr;
 }
 
 std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& prompt, bool reuse,
@@ -103,7 +105,9 @@ std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& pro
   }
 
   bool have_logits = false;
+  const PrefixCache::Entry* base = nullptr;  // the kept state this prompt builds on
   if (entry && entry_use > live_use) {
+    base = entry;
     seq_.restore(entry->tokens, *entry->state);
     if (entry_use < entry->tokens.size()) seq_.truncate(static_cast<int>(entry_use));
     if (entry_use == P) {
@@ -125,7 +129,7 @@ std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& pro
   if (reuse && !cut && branch > static_cast<size_t>(seq_.size()) && branch < P &&
       branch >= min_keep) {
     if (!feed(prompt, branch, logits, cancel)) return std::nullopt;
-    keep_live(logits);
+    if (const PrefixCache::Entry* b = keep_live(logits, 0, 1, base)) base = b;
   }
   if (static_cast<size_t>(seq_.size()) < P) {
     if (!feed(prompt, P, logits, cancel)) return std::nullopt;
@@ -136,7 +140,7 @@ std::optional<std::vector<float>> Generator::prefill(const std::vector<int>& pro
   // Keep the state at the end of this prompt for a follow-up or a
   // regenerate (a pure-attention model's live sequence serves both once
   // parked, cut back).
-  if (reuse && !cut) keep_live(logits);
+  if (reuse && !cut) keep_live(logits, 0, 1, base);
   return logits;
 }
 

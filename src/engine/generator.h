@@ -153,7 +153,9 @@ class Generator {
   // after its last token, if given) unless a kept state, or the `held`
   // first tokens staying in the live sequence, cover all but fewer than
   // `min_new` of its tokens.
-  void keep_live(std::vector<float> logits, size_t held = 0, size_t min_new = 1);
+  // Returns the kept entry (nullptr if none); `keep` as PrefixCache::insert.
+  const PrefixCache::Entry* keep_live(std::vector<float> logits, size_t held = 0,
+                                      size_t min_new = 1, const PrefixCache::Entry* keep = nullptr);
 
   Backend& backend_;
   const text::Tokenizer* tokenizer_;

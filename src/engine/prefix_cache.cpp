@@ -54,19 +54,22 @@ size_t PrefixCache::reach(std::span<const int> tokens, bool cut) const {
   return best;
 }
 
-bool PrefixCache::insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state,
-                         std::vector<float> logits) {
-  if (!state || tokens.empty() || !enabled()) return false;
+const PrefixCache::Entry* PrefixCache::insert(std::vector<int> tokens,
+                                              std::unique_ptr<SequenceCache> state,
+                                              std::vector<float> logits, const Entry* keep) {
+  if (!state || tokens.empty() || !enabled()) return nullptr;
   const size_t b = state->bytes() + logits.size() * sizeof(float) + tokens.size() * sizeof(int);
-  if (b > budget_) return false;
+  if (b > budget_) return nullptr;
+  auto same = std::find_if(entries_.begin(), entries_.end(),
+                           [&](const auto& e) { return e->tokens == tokens; });
+  if (same != entries_.end() && same->get() == keep) keep = nullptr;  // replaced by its new state
+  if (keep && (keep->bytes + b > budget_ || max_entries_ < 2)) return nullptr;
   // The same tokens again: the new state replaces the old one.
-  for (size_t i = 0; i < entries_.size(); ++i)
-    if (entries_[i]->tokens == tokens) {
-      bytes_ -= entries_[i]->bytes;
-      entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(i));
-      break;
-    }
-  evict_to(budget_ - b, max_entries_ - 1);
+  if (same != entries_.end()) {
+    bytes_ -= (*same)->bytes;
+    entries_.erase(same);
+  }
+  evict_to(budget_ - b, max_entries_ - 1, keep);
   auto e = std::make_unique<Entry>();
   e->tokens = std::move(tokens);
   e->state = std::move(state);
@@ -75,13 +78,15 @@ bool PrefixCache::insert(std::vector<int> tokens, std::unique_ptr<SequenceCache>
   e->used = ++clock_;
   bytes_ += b;
   entries_.push_back(std::move(e));
-  return true;
+  return entries_.back().get();
 }
 
-void PrefixCache::evict_to(size_t bytes, size_t entries) {
+void PrefixCache::evict_to(size_t bytes, size_t entries, const Entry* keep) {
   while (!entries_.empty() && (bytes_ > bytes || entries_.size() > entries)) {
-    auto lru = std::min_element(entries_.begin(), entries_.end(),
-                                [](const auto& a, const auto& b) { return a->used < b->used; });
+    auto lru = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (it->get() != keep && (lru == entries_.end() || (*it)->used < (*lru)->used)) lru = it;
+    if (lru == entries_.end()) return;  // only `keep` is left
     bytes_ -= (*lru)->bytes;
     entries_.erase(lru);
     ++evictions_;

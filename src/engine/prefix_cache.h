@@ -53,11 +53,14 @@ class PrefixCache {
   size_t reach(std::span<const int> tokens, bool cut) const;
 
   // Keeps a state, replacing an entry with the same tokens and evicting the
-  // least recently used ones to stay within the limits. Returns false (and
-  // keeps nothing) when the state alone is over the budget or the cache is
-  // off (max_entries 0).
-  bool insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state,
-              std::vector<float> logits);
+  // least recently used ones to stay within the limits, but never `keep`
+  // (the entry the current request started from or branched at: a state
+  // that only serves this prompt again must not push out the one that
+  // serves every prompt sharing its beginning). Returns the new entry, or
+  // nullptr (nothing kept, nothing evicted) when the state does not fit
+  // beside `keep`, is alone over the budget, or the cache is off.
+  const Entry* insert(std::vector<int> tokens, std::unique_ptr<SequenceCache> state,
+                      std::vector<float> logits, const Entry* keep = nullptr);
 
   bool enabled() const { return max_entries_ > 0 && budget_ > 0; }
   size_t bytes() const { return bytes_; }
@@ -67,7 +70,7 @@ class PrefixCache {
   void clear();
 
  private:
-  void evict_to(size_t bytes, size_t entries);
+  void evict_to(size_t bytes, size_t entries, const Entry* keep = nullptr);
 
   std::vector<std::unique_ptr<Entry>> entries_;
   size_t budget_ = 0;
