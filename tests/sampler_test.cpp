@@ -268,6 +268,44 @@ TEST(Sampler, FrequencyPenaltyCountsOccurrences) {
   for (int i = 0; i < 50; ++i) EXPECT_EQ(t.sample(logits, many, 0), 1);
 }
 
+TEST(Sampler, LogitBias) {
+  const std::vector<float> logits = {2.0f, 1.5f, 0.0f, -1.0f};
+  SamplingParams p = seeded();
+  p.temperature = 0.0f;
+  p.logit_bias = {{2, 2.5f}};  // 0 + 2.5 > 2: greedy follows the bias
+  Sampler g(p);
+  EXPECT_EQ(g.sample(logits), 2);
+  p.logit_bias = {{2, 1.9f}};  // 1.9 < 2
+  Sampler g2(p);
+  EXPECT_EQ(g2.sample(logits), 0);
+  // Applied before the penalties: presence 1 on a generated token 2 undoes
+  // a bias of 2.5 (0 + 2.5 - 1 < 2).
+  p.logit_bias = {{2, 2.5f}};
+  p.presence_penalty = 1.0f;
+  Sampler g3(p);
+  EXPECT_EQ(g3.sample(logits, std::vector<int>{2}, 0), 0);
+
+  // Sampling: -100 bans the likeliest token, +100 forces the least likely.
+  SamplingParams q = seeded(7);
+  q.logit_bias = {{0, -100.0f}};
+  Sampler ban(q);
+  auto d = draws(ban, logits, 200);
+  EXPECT_EQ(std::count(d.begin(), d.end(), 0), 0);
+  EXPECT_GT(std::count(d.begin(), d.end(), 1), 50);
+  q.logit_bias = {{3, 100.0f}, {0, -1.0f}};
+  Sampler force(q);
+  for (int t : draws(force, logits, 100)) EXPECT_EQ(t, 3);
+  // A masked token (-inf) stays masked whatever its bias.
+  const float inf = std::numeric_limits<float>::infinity();
+  q.logit_bias = {{1, 100.0f}};
+  Sampler masked(q);
+  for (int t : draws(masked, std::vector<float>{0.0f, -inf, 0.5f}, 50)) EXPECT_NE(t, 1);
+  // An id beyond the row fails at sample().
+  q.logit_bias = {{4, 1.0f}};
+  Sampler beyond(q);
+  EXPECT_THROW(beyond.sample(logits), lily::Error);
+}
+
 TEST(Sampler, Validation) {
   auto bad = [](auto set, const std::string& field) {
     SamplingParams p;
@@ -294,6 +332,9 @@ TEST(Sampler, Validation) {
   bad([](SamplingParams& p) { p.repetition_penalty = 0.0f; }, "repetition_penalty");
   bad([](SamplingParams& p) { p.presence_penalty = 2.5f; }, "presence_penalty");
   bad([](SamplingParams& p) { p.frequency_penalty = -3.0f; }, "frequency_penalty");
+  bad([](SamplingParams& p) { p.logit_bias = {{1, 100.5f}}; }, "logit_bias");
+  bad([](SamplingParams& p) { p.logit_bias = {{-1, 1.0f}}; }, "logit_bias");
+  bad([](SamplingParams& p) { p.logit_bias = {{3, 1.0f}, {1, 2.0f}, {3, -1.0f}}; }, "logit_bias");
   SamplingParams ok;
   ok.temperature = 0.0f;
   ok.top_p = 1.0f;

@@ -42,6 +42,7 @@ Limits small_limits() {
   Limits l;
   l.context = 64;
   l.max_tokens_limit = 32;
+  l.vocab_size = 1000;
   return l;
 }
 
@@ -128,8 +129,10 @@ TEST(ServerApi, ChatSamplingParameters) {
       "presence_penalty": 1.5, "frequency_penalty": -1, "repetition_penalty": 1.1,
       "max_tokens": 7, "max_completion_tokens": 9, "stop": ["a", "bb"], "n": 1,
       "logprobs": true, "top_logprobs": 3, "stream": true,
-      "stream_options": {"include_usage": true}, "user": "u", "prompt_cache_key": "k"})");
+      "stream_options": {"include_usage": true}, "user": "u", "prompt_cache_key": "k",
+      "logit_bias": {"5": -100, "999": 3.5, "7": 0}})");
   const auto& s = r.common.sampling;
+  EXPECT_EQ(s.logit_bias, (std::vector<std::pair<int, float>>{{5, -100.f}, {999, 3.5f}}));  // 0: dropped
   EXPECT_EQ(s.temperature, 0.f);
   EXPECT_FLOAT_EQ(s.top_p, 0.5f);
   EXPECT_EQ(s.top_k, 0);
@@ -247,8 +250,20 @@ TEST(ServerApi, MissingFieldsAndBadValues) {
        "response_format.json_schema.schema", "invalid_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "grammar"}})",
        "response_format.type", "unsupported_value"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}})", "logit_bias",
-       "unsupported_parameter"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": [1]})", "logit_bias",
+       "invalid_type"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 5}})", "logit_bias",
+       "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 5}})", "logit_bias",
+       "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 101}})", "logit_bias",
+       "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1000": 1}})", "logit_bias",
+       "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": "5"}})", "logit_bias",
+       "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5, "01": 2}})", "logit_bias",
+       "invalid_value"},
       {R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})",
        "messages[0].tool_calls[0].function.arguments", "invalid_value"},
   };

@@ -155,6 +155,8 @@ GenerationResult Generator::generate(const GenerationParams& params, const Event
   const int V = backend_.config().vocab_size;
   for (int t : prompt)
     if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
+  for (const auto& b : params.sampling.logit_bias)
+    if (b.first >= V) fail("logit_bias: token id ", b.first, " is outside the vocabulary [0, ", V, ")");
   Sampler sampler(params.sampling);  // validates
 
   // The last sampled token is never fed, so a prompt of P tokens can grow

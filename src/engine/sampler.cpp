@@ -94,6 +94,18 @@ std::optional<std::string> SamplingParams::validation_error() const {
   if (!std::isfinite(repetition_penalty) || !(repetition_penalty > 0.0f))
     return str_cat("repetition_penalty must be a finite number > 0 (1 = off), got ",
                    repetition_penalty);
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0) return str_cat("logit_bias: token id ", id, " is negative");
+    if (!(bias >= -100.0f && bias <= 100.0f))
+      return str_cat("logit_bias: the bias of token ", id, " must be in [-100, 100], got ", bias);
+  }
+  if (logit_bias.size() > 1) {
+    std::vector<int> ids;
+    for (const auto& b : logit_bias) ids.push_back(b.first);
+    std::sort(ids.begin(), ids.end());
+    if (auto d = std::adjacent_find(ids.begin(), ids.end()); d != ids.end())
+      return str_cat("logit_bias: token id ", *d, " appears more than once");
+  }
   if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f))
     return str_cat("presence_penalty must be in [-2, 2], got ", presence_penalty);
   if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f))
@@ -158,6 +170,11 @@ int Sampler::sample(std::span<const float> logits, std::span<const int> history,
     fail("Sampler: vocabulary of ", vocab, " does not fit token ids");
   work_.resize(vocab);
   for (size_t i = 0; i < vocab; ++i) work_[i] = key(logits[i]);
+  for (const auto& [id, bias] : params_.logit_bias) {
+    if (static_cast<size_t>(id) >= vocab)
+      fail("Sampler: logit_bias token id ", id, " is outside the vocabulary of ", vocab);
+    work_[id] += bias;  // -inf (a masked token) stays -inf
+  }
   apply_penalties(history, prompt_len);
 
   const int best = argmax(work_);

@@ -1,7 +1,10 @@
 // Choosing the next token from a row of logits, on the CPU.
 //
 // Pipeline, in this order (temperature == 0 stops after step 1 with argmax):
-//   1. Penalties, on a copy of the logits:
+//   0. logit_bias (OpenAI): a fixed value added to the logit of listed
+//      tokens, on a copy of the logits (-100 bans a token in practice,
+//      +100 forces it); sampling and greedy alike.
+//   1. Penalties, on the same copy:
 //      * repetition_penalty (Hugging Face semantics) over every distinct token
 //        of the history, prompt AND generated: a positive logit is divided by
 //        the penalty, a negative one multiplied by it. 1 = off.
@@ -59,6 +62,9 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;   // [-2, 2]
   uint64_t seed = 0;
   bool has_seed = false;
+  // (token id, value in [-100, 100]) added to that token's logit; an id may
+  // appear once. Ids beyond the vocabulary fail at sample().
+  std::vector<std::pair<int, float>> logit_bias;
 
   // Defaults from a model's generation_config.json: temperature, top_p,
   // top_k, min_p, repetition_penalty when present (null or missing fields

@@ -1,5 +1,6 @@
 #include "server/api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <set>
@@ -141,7 +142,27 @@ void parse_common(const ojson& body, const engine::SamplingParams& defaults, con
     s.seed = static_cast<uint64_t>(*v);
     s.has_seed = true;
   }
-  if (auto err = s.validation_error()) throw bad_request(*err, "", "invalid_value");
+  if (const ojson* lb = field(body, "logit_bias")) {
+    if (!lb->is_object()) throw invalid_type("logit_bias", "an object", *lb);
+    for (const auto& [key, value] : lb->items()) {
+      // Keys are token ids in decimal ("50256"), values numbers in [-100, 100].
+      long long id = -1;
+      const bool digits = !key.empty() && key.size() <= 10 &&
+                          std::all_of(key.begin(), key.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      if (digits) id = std::stoll(key);
+      if (!digits || (limits.vocab_size > 0 && id >= limits.vocab_size))
+        throw invalid_value("logit_bias",
+                            str_cat("keys must be token ids",
+                                    limits.vocab_size > 0 ? str_cat(" in [0, ", limits.vocab_size, ")") : "",
+                                    ", got '", key, "'."));
+      if (!value.is_number() || !(value.get<double>() >= -100 && value.get<double>() <= 100))
+        throw invalid_value("logit_bias", str_cat("the bias of token ", key, " must be a number in [-100, 100], got ",
+                                                  value.dump(), "."));
+      if (value.get<double>() != 0) s.logit_bias.emplace_back(static_cast<int>(id), value.get<float>());
+    }
+  }
+  if (auto err = s.validation_error())
+    throw bad_request(*err, err->rfind("logit_bias", 0) == 0 ? "logit_bias" : "", "invalid_value");
 
   std::optional<long long> mt =
       get_integer(body, "max_completion_tokens", 1, limits.max_tokens_limit);
@@ -176,12 +197,6 @@ void parse_common(const ojson& body, const engine::SamplingParams& defaults, con
     c.include_usage = get_bool(*so, "include_usage").value_or(false);
   }
 
-  if (const ojson* lb = field(body, "logit_bias")) {
-    if (!lb->is_object()) throw invalid_type("logit_bias", "an object", *lb);
-    if (!lb->empty())
-      throw bad_request("'logit_bias' is not supported by lily.", "logit_bias",
-                        "unsupported_parameter");
-  }
 }
 
 // Maps a lily::Error from text::from_openai_request ("invalid chat request:

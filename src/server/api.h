@@ -55,6 +55,7 @@ struct Limits {
   int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
   int max_stop_strings = 16;
   int max_top_logprobs = 20;
+  int vocab_size = 0;  // logit_bias ids must be below it (0: not checked here)
 };
 
 // Parameters shared by chat and completions.

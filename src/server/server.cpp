@@ -63,12 +63,18 @@ engine::Generator& configured(engine::Generator& g, const ServerOptions& o) {
   return g;
 }
 
+// The options with the model's vocabulary size (for logit_bias ids).
+ServerOptions with_vocab(ServerOptions o, const ServedModel& m) {
+  o.limits.vocab_size = m.backend->config().vocab_size;
+  return o;
+}
+
 }  // namespace
 
 struct Server::Impl {
   Impl(ServedModel& m, ServerOptions o)
       : model(m),
-        opt(std::move(o)),
+        opt(with_vocab(std::move(o), m)),
         generator(*m.backend, *m.tokenizer, opt.limits.context),
         scheduler(configured(generator, opt), metrics, opt.max_queue) {}
 

@@ -154,6 +154,31 @@ test('stop strings end the reply before the match', async () => {
   assert.equal(chunks.at(-1).choices[0].finish_reason, 'stop');
 });
 
+test('logit_bias bans and forces tokens', async () => {
+  const first = ref.generated_ids[0];
+  const plain = await client.chat.completions.create({
+    model: MODEL, messages: haiku, temperature: 0, max_tokens: 2, logprobs: true,
+  });
+  const banned = await client.chat.completions.create({
+    model: MODEL, messages: haiku, temperature: 0, max_tokens: 2, logprobs: true,
+    logit_bias: { [String(first)]: -100 },
+  });
+  assert.notDeepEqual(banned.choices[0].logprobs.content[0].bytes,
+                      plain.choices[0].logprobs.content[0].bytes);
+  // +100 on one token: sampled at temperature 1, it is every token.
+  const forced = await client.chat.completions.create({
+    model: MODEL, messages: haiku, temperature: 1, seed: 5, max_tokens: 6, logprobs: true,
+    logit_bias: { [String(ref.generated_ids[3])]: 100 },
+  });
+  const seen = new Set(forced.choices[0].logprobs.content.map((e) => JSON.stringify(e.bytes)));
+  assert.equal(seen.size, 1);
+  await assert.rejects(
+    client.chat.completions.create({
+      model: MODEL, messages: haiku, max_tokens: 2, logit_bias: { 99999999: 1 },
+    }),
+    (e) => e.status === 400 && e.param === 'logit_bias');
+});
+
 test('sampling parameters are accepted and seeds reproduce', async () => {
   const params = {
     model: MODEL, messages: haiku, max_tokens: 12, temperature: 0.9, top_p: 0.9, top_k: 50,
