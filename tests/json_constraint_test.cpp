@@ -263,5 +263,105 @@ TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
   for (int id : tok.special_ids()) EXPECT_EQ(mask[static_cast<size_t>(id)], 0) << id;
 }
 
+const json kTools = json::parse(R"([
+  {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                   "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["city"]}}},
+  {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+    "properties": {}, "additionalProperties": false}}}])");
+
+// Feeds text; true when it was taken and the call ended (released).
+bool released_after(const std::shared_ptr<const JsonGrammar>& g, std::string_view text) {
+  JsonMatcher m(g);
+  return m.feed(text) && m.released();
+}
+
+TEST(JsonConstraint, HermesToolCallsFollowTheToolsSchemas) {
+  auto g = JsonGrammar::tool_calls(kTools, ToolCallSyntax::Json);
+  const std::string call = "\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}";
+  EXPECT_TRUE(released_after(g, call));
+  EXPECT_FALSE(released_after(g, call.substr(0, call.size() - 1)));  // the object is not closed
+  EXPECT_TRUE(released_after(g, call + "\n</tool_call>"));           // free after the call
+  EXPECT_TRUE(released_after(g, "\n{\"name\": \"get_time\", \"arguments\": {}}"));
+  EXPECT_TRUE(released_after(g, "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\", \"unit\": \"celsius\"}}"));
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_wea \""));                         // not a tool's name
+  EXPECT_FALSE(prefix_ok(g, "\n{\"arguments\": {}"));                             // the name first
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_weather\", \"arguments\": {}"));  // city is required
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\", \"days\": 1.5"));
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"x\", \"unit\": \"kelvin\""));
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_time\", \"arguments\": {\"city\""));  // get_time takes none
+  EXPECT_FALSE(prefix_ok(g, "\n{\"name\": \"get_time\", \"arguments\": {}, \"x\""));  // no other keys
+}
+
+TEST(JsonConstraint, XmlToolCallsFollowTheToolsSchemas) {
+  auto g = JsonGrammar::tool_calls(kTools, ToolCallSyntax::Xml);
+  const std::string call =
+      "\n<function=get_weather>\n<parameter=city>\nParis, <b>France</b>\n\xc3\xa9t\xc3\xa9\n</parameter>\n"
+      "<parameter=days>\n3\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+      "<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n</function>";
+  EXPECT_FALSE(released_after(g, call.substr(0, call.size() - 1)));
+  EXPECT_TRUE(released_after(g, call));
+  EXPECT_TRUE(released_after(g, call + "\n</tool_call>\n<tool_call>"));
+  EXPECT_TRUE(released_after(g, "<function=get_weather>\n<parameter=city>\n\n</parameter>\n</function>"));
+  EXPECT_TRUE(released_after(g, "<function=get_time>\n</function>"));
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weathe>"));                          // not a tool
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n</function>"));            // city is required
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n<parameter=country>"));    // not a parameter
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n<parameter=city>\nx\n</parameter>\n<parameter=days>\nthree"));
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n<parameter=city>\nx\n</parameter>\n<parameter=unit>\nkelvin"));
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n<parameter=city>\nx\xff"));  // broken UTF-8
+  // Parameters in the schema's order, each at most once.
+  EXPECT_FALSE(prefix_ok(g, "<function=get_weather>\n<parameter=city>\nx\n</parameter>\n<parameter=days>\n1\n"
+                            "</parameter>\n<parameter=city>"));
+  EXPECT_FALSE(prefix_ok(g, "<function=get_time>\n<parameter="));
+  // Free-form parameters cannot be written in this syntax.
+  EXPECT_THROW(JsonGrammar::tool_calls(json::parse(R"([{"type": "function", "function": {"name": "f",
+      "parameters": {"type": "object"}}}])"), ToolCallSyntax::Xml), Error);
+  EXPECT_NO_THROW(JsonGrammar::tool_calls(json::parse(R"([{"type": "function", "function": {"name": "f",
+      "parameters": {"type": "object"}}}])"), ToolCallSyntax::Json));
+  EXPECT_THROW(JsonGrammar::tool_calls(json::parse(R"([{"type": "function", "function": {"name": "f",
+      "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}])"), ToolCallSyntax::Json), Error);
+}
+
+TEST(JsonConstraint, ToolCallTokenMaskEqualsFeedingEachToken) {
+  static const Tokenizer tok = Tokenizer::from_dir(LILY_FIXTURES_DIR "/tokenizer");
+  const int V = tok.vocab_size();
+  auto trie = TokenTrie::build(tok, V);
+  struct Case {
+    ToolCallSyntax syntax;
+    const char* prefix;
+  } cases[] = {
+      {ToolCallSyntax::Xml, ""},
+      {ToolCallSyntax::Xml, "\n<function=get_"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\n"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\nPar"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\nPar\n</para"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\nP\xc3"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\nP\n</parameter>\n"},
+      {ToolCallSyntax::Xml, "\n<function=get_weather>\n<parameter=city>\nP\n</parameter>\n<parameter=days>\n1"},
+      {ToolCallSyntax::Xml, "\n<function=get_time>\n</function"},
+      {ToolCallSyntax::Json, "\n{\"name\": \"get_"},
+      {ToolCallSyntax::Json, "\n{\"name\": \"get_time\", \"arguments\": {}"},
+  };
+  std::vector<uint8_t> mask;
+  for (const auto& c : cases) {
+    auto g = JsonGrammar::tool_calls(kTools, c.syntax);
+    JsonMatcher m(g);
+    ASSERT_TRUE(m.feed(c.prefix)) << c.prefix;
+    m.allowed_tokens(*trie, mask);
+    int allowed = 0, mismatches = 0;
+    for (int id = 0; id < V; ++id) {
+      const std::string_view b = trie->bytes(id);
+      const bool want = !b.empty() && m.can_feed(b);
+      allowed += mask[static_cast<size_t>(id)];
+      if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
+        ADD_FAILURE() << "prefix '" << c.prefix << "' token " << id << " '" << b << "' want " << want;
+    }
+    EXPECT_GT(allowed, 0) << c.prefix;
+  }
+}
+
 }  // namespace
 }  // namespace lily::text

@@ -329,6 +329,107 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
   return g;
 }
 
+namespace {
+
+bool typed_string(const nlohmann::ordered_json& s) {
+  if (!s.is_object() || !s.contains("type")) return false;
+  const auto& t = s["type"];
+  if (t.is_string()) return t.get<std::string>() == "string";
+  if (t.is_array())
+    for (const auto& one : t)
+      if (one.is_string() && one.get<std::string>() == "string") return true;
+  return false;
+}
+
+}  // namespace
+
+std::shared_ptr<const JsonGrammar> JsonGrammar::tool_calls(const nlohmann::ordered_json& tools,
+                                                           ToolCallSyntax syntax) {
+  using K = JsonGrammar::Node::Kind;
+  auto g = std::make_shared<JsonGrammar>();
+  add_builtins(g->nodes_);
+  if (!tools.is_array() || tools.empty()) fail("tools: expected a non-empty array");
+  auto add = [&](Node n) {
+    g->nodes_.push_back(std::move(n));
+    return static_cast<int>(g->nodes_.size()) - 1;
+  };
+  auto node = [&](K kind, std::vector<int> alts = {}, std::vector<std::string> texts = {}) {
+    Node n;
+    n.kind = kind;
+    n.alts = std::move(alts);
+    n.texts = std::move(texts);
+    return add(std::move(n));
+  };
+  static const nlohmann::ordered_json kAnyObject = {{"type", "object"}};
+  std::vector<int> calls;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const std::string where = "tools[" + std::to_string(i) + "].function";
+    const auto& t = tools[i];
+    if (!t.is_object() || !t.contains("function") || !t["function"].is_object() ||
+        !t["function"].contains("name") || !t["function"]["name"].is_string())
+      fail(where, ".name: missing");
+    const auto& fn = t["function"];
+    const std::string name = fn["name"].get<std::string>();
+    const nlohmann::ordered_json& params =
+        fn.contains("parameters") && !fn["parameters"].is_null() ? fn["parameters"] : kAnyObject;
+    SchemaCompiler c{*g, params, {}};
+    if (syntax == ToolCallSyntax::Json) {
+      Node obj;
+      obj.kind = K::Object;
+      obj.additional = -1;
+      obj.props.push_back({"name", c.literal({nlohmann::json(name).dump()}), true});
+      obj.props.push_back({"arguments", -1, true});
+      const int self = add(std::move(obj));
+      const int args = c.compile(params, where + ".parameters");
+      g->nodes_[static_cast<size_t>(self)].props[1].node = args;
+      calls.push_back(self);
+      continue;
+    }
+    std::vector<int> elems = {c.literal({"<function=" + name + ">\n"})};
+    const std::string pw = where + ".parameters";
+    if (!params.is_object()) fail(pw, ": expected an object schema");
+    const nlohmann::ordered_json* props =
+        params.contains("properties") && params["properties"].is_object() ? &params["properties"] : nullptr;
+    const bool closed = params.contains("additionalProperties") && params["additionalProperties"] == false;
+    if ((!props || props->empty()) && !closed)
+      fail(pw, ": free-form parameters (no properties) cannot be constrained in the XML syntax");
+    std::vector<std::string> required;
+    if (params.contains("required") && params["required"].is_array())
+      for (const auto& r : params["required"])
+        if (r.is_string()) required.push_back(r.get<std::string>());
+    if (props) {
+      if (props->size() > static_cast<size_t>(kMaxProps)) fail(pw, ".properties: more than ", kMaxProps, " properties");
+      for (auto it = props->begin(); it != props->end(); ++it) {
+        const auto& ps = it.value();
+        const std::string pwhere = pw + ".properties." + it.key();
+        int value;
+        if (typed_string(ps) && ps.contains("enum") && ps["enum"].is_array() && !ps["enum"].empty()) {
+          std::vector<std::string> texts;
+          for (const auto& v : ps["enum"]) {
+            if (!v.is_string()) fail(pwhere, ".enum: a string parameter's values must be strings");
+            texts.push_back(v.get<std::string>() + "\n</parameter>\n");
+          }
+          value = c.literal(std::move(texts));
+        } else if (typed_string(ps)) {
+          value = node(K::Seq, {node(K::Text, {}, {"\n</parameter>"}), c.literal({"\n"})});
+        } else {
+          value = node(K::Seq, {c.compile(ps, pwhere), c.literal({"\n</parameter>\n"})});
+        }
+        int param = node(K::Seq, {c.literal({"<parameter=" + it.key() + ">\n"}), value});
+        if (std::find(required.begin(), required.end(), it.key()) == required.end())
+          param = node(K::AnyOf, {param, node(K::Empty)});
+        elems.push_back(param);
+      }
+    }
+    elems.push_back(c.literal({"</function>"}));
+    elems.push_back(node(K::Release));
+    calls.push_back(node(K::Seq, std::move(elems)));
+  }
+  const int any_call = node(K::AnyOf, calls);
+  g->root_ = syntax == ToolCallSyntax::Json ? node(K::Seq, {any_call, node(K::Release)}) : any_call;
+  return g;
+}
+
 // --------------------------------------------------------------------- trie
 
 TokenTrie::Trie TokenTrie::make(const std::vector<std::string>& bytes,
@@ -376,7 +477,7 @@ std::shared_ptr<const TokenTrie> TokenTrie::build(const Tokenizer& tokenizer, in
   auto t = std::make_shared<TokenTrie>();
   t->vocab_ = vocab_size;
   t->bytes_.resize(static_cast<size_t>(vocab_size));
-  std::vector<int> all, not_plain;
+  std::vector<int> all, not_plain, not_text;
   for (int id = 0; id < vocab_size; ++id) {
     if (id >= tokenizer.vocab_size() || tokenizer.is_added(id)) continue;
     const std::string_view b = tokenizer.token_bytes(id);
@@ -395,9 +496,19 @@ std::shared_ptr<const TokenTrie> TokenTrie::build(const Tokenizer& tokenizer, in
       t->plain_.push_back(id);
     else
       not_plain.push_back(id);
+    // Text content (tool_calls' raw values): no newline (the terminator's
+    // start), whole UTF-8 characters.
+    st = 0;
+    for (unsigned char c : b)
+      if (st >= 0) st = (c == '\n' || c == 0) ? -1 : utf8_step(st, c);
+    if (st == 0)
+      t->text_.push_back(id);
+    else
+      not_text.push_back(id);
   }
   t->all_ = make(t->bytes_, all);
   t->not_plain_ = make(t->bytes_, not_plain);
+  t->not_text_ = make(t->bytes_, not_text);
   return t;
 }
 
@@ -410,7 +521,9 @@ std::string_view TokenTrie::bytes(int id) const {
 
 namespace {
 
-enum FrameKind : uint8_t { F_ROOT, F_OBJECT, F_KEY, F_ARRAY, F_STRING, F_NUMBER, F_LITERAL };
+enum FrameKind : uint8_t { F_ROOT, F_OBJECT, F_KEY, F_ARRAY, F_STRING, F_NUMBER, F_LITERAL, F_SEQ, F_TEXT, F_RELEASED };
+// Seq phases (a: the element matched or next).
+enum : uint8_t { S_READY, S_INVALUE };
 // Object phases.
 enum : uint8_t { O_OPEN, O_KEYNEXT, O_COLON, O_VALUE, O_INVALUE, O_AFTER };
 // Array phases.
@@ -495,6 +608,10 @@ struct JsonMatcher::Impl {
         break;
       case F_ARRAY:
         f.phase = A_AFTER;
+        f.a++;
+        break;
+      case F_SEQ:
+        f.phase = S_READY;
         f.a++;
         break;
       default:
@@ -605,6 +722,23 @@ struct JsonMatcher::Impl {
         f.b = 0;
         f.mask = nd.texts.size();
         step(ar.make(f, parent), c, out, ar);
+        return;
+      case K::Seq:
+        f.kind = F_SEQ;
+        f.phase = S_READY;
+        f.a = 0;
+        step(ar.make(f, parent), c, out, ar);
+        return;
+      case K::Text:
+        f.kind = F_TEXT;
+        step(ar.make(f, parent), c, out, ar);
+        return;
+      case K::Release:
+        f.kind = F_RELEASED;
+        out.add(ar.make(f, parent));
+        return;
+      case K::Empty:
+        step(done(parent, ar), c, out, ar);
         return;
     }
   }
@@ -809,6 +943,48 @@ struct JsonMatcher::Impl {
         }
         return;
       }
+      case F_SEQ: {
+        const auto& elems = node(f.node).alts;
+        if (f.phase != S_READY) return;
+        if (f.a < static_cast<int>(elems.size())) {
+          Frame o = f;
+          o.phase = S_INVALUE;
+          start_value(ar.make(o, s->up), elems[static_cast<size_t>(f.a)], c, out, ar);
+        } else {
+          step(done(s->up, ar), c, out, ar);
+        }
+        return;
+      }
+      case F_TEXT: {
+        // Raw text up to and including the terminator (ASCII, its first
+        // byte not repeated in it: a mismatch restarts at 0 or 1).
+        const std::string& term = node(f.node).texts[0];
+        const size_t pos = static_cast<size_t>(f.a);
+        Frame t = f;
+        if (f.u8 != 0) {
+          const int r = utf8_step(f.u8, c);
+          if (r < 0) return;
+          t.u8 = static_cast<uint8_t>(r);
+        } else if (c == static_cast<uint8_t>(term[pos])) {
+          if (pos + 1 == term.size()) {
+            out.add(done(s->up, ar));
+            return;
+          }
+          t.a = static_cast<int32_t>(pos + 1);
+        } else if (c == static_cast<uint8_t>(term[0])) {
+          t.a = 1;
+        } else {
+          const int r = c == 0 ? -1 : utf8_step(0, c);
+          if (r < 0) return;
+          t.a = 0;
+          t.u8 = static_cast<uint8_t>(r);
+        }
+        out.add(ar.make(t, s->up));
+        return;
+      }
+      case F_RELEASED:
+        out.add(s);
+        return;
       case F_LITERAL: {
         const auto& texts = node(f.node).texts;
         const size_t pos = static_cast<size_t>(f.a);
@@ -835,10 +1011,21 @@ struct JsonMatcher::Impl {
     }
   }
 
-  bool accepting(const FNode* s, Arena& ar) const {
+  // Follows the frames a complete number, literal or sequence ends; stops at
+  // the first frame that needs more. release: stop at a Release instead.
+  bool accepting(const FNode* s, Arena& ar, bool release = false) const {
     for (;;) {
       const Frame& f = s->f;
-      if (f.kind == F_ROOT) return f.phase == R_AFTER;
+      if (f.kind == F_RELEASED) return true;
+      if (f.kind == F_SEQ && f.phase == S_READY) {
+        const auto& elems = node(f.node).alts;
+        if (f.a == static_cast<int>(elems.size())) {
+          s = done(s->up, ar);
+          continue;
+        }
+        return release && node(elems[static_cast<size_t>(f.a)]).kind == JsonGrammar::Node::Release;
+      }
+      if (f.kind == F_ROOT) return !release && f.phase == R_AFTER;
       if (f.kind == F_NUMBER && number_complete(f.phase)) {
         s = done(s->up, ar);
         continue;
@@ -874,6 +1061,16 @@ struct JsonMatcher::Impl {
       const bool str = f.kind == F_STRING && f.phase == 0 && f.u8 == 0;
       const bool free_key = f.kind == F_KEY && f.mask == 0 && f.b && f.phase == 0 && f.u8 == 0;
       if (!str && !free_key) return false;
+    }
+    return true;
+  }
+
+  // Raw Text content between terminator matches keeps every stack as it is.
+  bool in_plain_text() const {
+    if (cur.n == 0) return false;
+    for (int i = 0; i < cur.n; ++i) {
+      const Frame& f = cur.s[i]->f;
+      if (!(f.kind == F_TEXT && f.a == 0 && f.u8 == 0)) return false;
     }
     return true;
   }
@@ -921,12 +1118,22 @@ bool JsonMatcher::accepting() const {
   return false;
 }
 
+bool JsonMatcher::released() const {
+  impl_->scratch.reset();
+  for (int i = 0; i < impl_->cur.n; ++i)
+    if (impl_->accepting(impl_->cur.s[i], impl_->scratch, true)) return true;
+  return false;
+}
+
 void JsonMatcher::allowed_tokens(const TokenTrie& trie, std::vector<uint8_t>& mask) const {
   mask.assign(static_cast<size_t>(trie.vocab_size()), 0);
   impl_->scratch.reset();
   if (impl_->in_plain_string()) {
     for (int id : trie.plain_) mask[static_cast<size_t>(id)] = 1;
     impl_->dfs(trie.not_plain_, 0, impl_->cur, mask);
+  } else if (impl_->in_plain_text()) {
+    for (int id : trie.text_) mask[static_cast<size_t>(id)] = 1;
+    impl_->dfs(trie.not_text_, 0, impl_->cur, mask);
   } else {
     impl_->dfs(trie.all_, 0, impl_->cur, mask);
   }

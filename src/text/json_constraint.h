@@ -39,6 +39,11 @@ namespace lily::text {
 
 class Tokenizer;
 
+// How a model writes a tool call after its "<tool_call>" (text/output_parser.h):
+// Json (Hermes, Qwen3): {"name": "f", "arguments": {...}}; Xml (Qwen3.5+):
+// <function=f>\n<parameter=p>\nVALUE\n</parameter>\n...</function>.
+enum class ToolCallSyntax { Json, Xml };
+
 class JsonGrammar {
  public:
   // Throws lily::Error naming the unsupported or malformed part
@@ -47,6 +52,20 @@ class JsonGrammar {
   static std::shared_ptr<const JsonGrammar> from_schema(const nlohmann::ordered_json& schema);
   // Any JSON object (response_format json_object).
   static std::shared_ptr<const JsonGrammar> any_object();
+  // One tool call's body, from the "\n" after "<tool_call>" to the end of
+  // the call's value (Json: the object's "}"; Xml: "</function>"), where the
+  // matcher is released(): what follows ("\n</tool_call>", more calls, the
+  // end) is free again. The name is one of the tools' (OpenAI "tools":
+  // [{"type": "function", "function": {"name", "parameters"}}]) and the
+  // arguments follow that tool's parameter schema, with its properties in
+  // the schema's order (optional ones may be left out). Xml: a parameter
+  // typed "string" (or a list with "string") is raw text up to
+  // "\n</parameter>" (or one of its enum values, unquoted); any other is
+  // JSON of its schema. Throws lily::Error naming the unsupported part
+  // ("tools[1].function.parameters...": as from_schema, plus, for Xml, free-
+  // form parameters: no properties and additionalProperties not false).
+  static std::shared_ptr<const JsonGrammar> tool_calls(const nlohmann::ordered_json& tools,
+                                                       ToolCallSyntax syntax);
 
   struct Prop {
     std::string key;  // the key as written between the quotes (JSON-escaped)
@@ -54,15 +73,17 @@ class JsonGrammar {
     bool required = false;
   };
   struct Node {
-    // Booleans and null are Literal nodes.
-    enum Kind : uint8_t { Any, Object, Array, String, Number, Integer, Literal, AnyOf };
+    // Booleans and null are Literal nodes. Beyond JSON (tool calls): Seq
+    // (alts matched one after another), Text (raw UTF-8 text ending with
+    // texts[0], which is part of it), Release (anything from here on), Empty.
+    enum Kind : uint8_t { Any, Object, Array, String, Number, Integer, Literal, AnyOf, Seq, Text, Release, Empty };
     Kind kind = Any;
     std::vector<Prop> props;  // Object
     int additional = -1;      // Object: node of other keys' values; -1: none
     int items = 0;            // Array: node of the elements (0: any)
     int min_items = 0, max_items = 1 << 30;
     std::vector<std::string> texts;  // Literal: the allowed values' JSON, sorted
-    std::vector<int> alts;           // AnyOf
+    std::vector<int> alts;           // AnyOf, Seq
   };
   const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
   int root() const { return root_; }
@@ -105,6 +126,8 @@ class TokenTrie {
   Trie all_;                        // every token
   Trie not_plain_;                  // tokens that are not plain string content
   std::vector<int> plain_;  // tokens that are: printable, no '"' or '\', whole UTF-8 characters
+  Trie not_text_;           // tokens that are not plain Text content
+  std::vector<int> text_;   // tokens that are: no '\n', whole UTF-8 characters
 };
 
 // Follows an output byte by byte.
@@ -121,6 +144,8 @@ class JsonMatcher {
   bool can_feed(std::string_view bytes) const;
   // Whether the output so far is a complete value of the grammar.
   bool accepting() const;
+  // Whether the output has reached a Release (tool_calls: the call ended).
+  bool released() const;
   // mask[id] = 1 for every token whose bytes may come next (others 0);
   // mask has trie.vocab_size() entries.
   void allowed_tokens(const TokenTrie& trie, std::vector<uint8_t>& mask) const;
