@@ -1098,6 +1098,75 @@ TEST(ServerEngine, GeneratorFollowsAJsonSchema) {
   EXPECT_TRUE(ojson::parse(late.text.substr(n), nullptr, false).is_object()) << late.text;
 }
 
+// Constrained tool calls on a model of random weights. A bias on
+// "<tool_call>" makes it open a call wherever it writes freely, so the
+// output is call after call: each must be a complete call of the tools'
+// schemas, in either syntax; a forced start (tool_choice required) too.
+TEST(ServerEngine, GeneratorConstrainsToolCalls) {
+  Tiny& t = tiny();
+  engine::Generator g(*t.model.backend, *t.model.tokenizer, 512);
+  const ojson tools = ojson::parse(R"([
+    {"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object",
+      "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"},
+                     "on": {"type": "boolean"}, "ids": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}},
+      "required": ["mode"], "additionalProperties": false}}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {},
+      "additionalProperties": false}}}])");
+  const std::optional<int> open = t.model.tokenizer->token_to_id("<tool_call>");
+  ASSERT_TRUE(open.has_value());
+  for (auto syntax : {text::ToolCallSyntax::Json, text::ToolCallSyntax::Xml}) {
+    auto grammar = text::JsonGrammar::tool_calls(tools, syntax);
+    for (int seed = 0; seed < 3; ++seed) {
+      engine::GenerationParams p = greedy(t.prompt, 160);
+      if (seed > 0) {
+        p.sampling.temperature = 1.0f;
+        p.sampling.seed = static_cast<uint64_t>(seed);
+        p.sampling.has_seed = true;
+      }
+      p.sampling.logit_bias = {{*open, 100.0f}};
+      p.tool_grammar = grammar;
+      Collected c = run(g, p);
+      SCOPED_TRACE(c.text);
+      // Split at the openings: every piece but the last (cut by max_tokens)
+      // is one complete call.
+      std::vector<std::string> calls;
+      for (size_t at = c.text.find("<tool_call>"); at != std::string::npos;) {
+        const size_t next = c.text.find("<tool_call>", at + 1);
+        calls.push_back(c.text.substr(at + 11, next == std::string::npos ? std::string::npos : next - at - 11));
+        at = next;
+      }
+      ASSERT_GE(calls.size(), 3u);
+      EXPECT_EQ(c.text.substr(0, 11), "<tool_call>");
+      for (size_t i = 0; i < calls.size(); ++i) {
+        text::JsonMatcher m(grammar);
+        EXPECT_TRUE(m.feed(calls[i])) << calls[i];
+        if (i + 1 < calls.size()) EXPECT_TRUE(m.released()) << calls[i];
+      }
+      // Without the constraint the same model writes no valid call.
+      p.tool_grammar = nullptr;
+      Collected free = run(g, p);
+      bool any_valid = false;
+      for (size_t at = free.text.find("<tool_call>"); at != std::string::npos; at = free.text.find("<tool_call>", at + 1)) {
+        text::JsonMatcher m(grammar);
+        const size_t next = free.text.find("<tool_call>", at + 1);
+        any_valid = any_valid || (m.feed(free.text.substr(at + 11, next == std::string::npos ? std::string::npos : next - at - 11)) &&
+                                  m.released());
+      }
+      EXPECT_FALSE(any_valid) << free.text;
+    }
+    // Forced: the prompt ends inside a call; the reply completes it, then
+    // (no bias) is free.
+    engine::GenerationParams f = greedy(t.prompt, 120);
+    f.tool_grammar = grammar;
+    f.tool_forced = true;
+    f.tool_prefix = syntax == text::ToolCallSyntax::Json ? "\n{\"name\": \"" : "\n<function=";
+    Collected c = run(g, f);
+    text::JsonMatcher m(grammar);
+    EXPECT_TRUE(m.feed(f.tool_prefix + c.text.substr(0, c.text.find("<tool_call>")))) << c.text;
+    EXPECT_TRUE(m.released()) << c.text;
+  }
+}
+
 TEST(ServerEngine, GeneratorStopsAndCancels) {
   Tiny& t = tiny();
   engine::Generator g(*t.model.backend, *t.model.tokenizer, 64);

@@ -201,23 +201,60 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     return out;
   };
 
-  // Constrained decoding: the matcher follows the output once active.
+  // Constrained decoding: the matcher follows the output while active.
+  // JSON output: [WaitAfter ->] Active. Tool calls: [WaitAfter ->]
+  // WaitTrigger -> Active -> (released) WaitTrigger -> ...
+  enum class Gate { Off, WaitAfter, WaitTrigger, Active };
+  const bool tools = !params.json_grammar && params.tool_grammar;
+  const std::shared_ptr<const text::JsonGrammar>& grammar = tools ? params.tool_grammar : params.json_grammar;
   std::optional<text::JsonMatcher> matcher;
-  bool constrained = false;
-  std::string before;  // output bytes while waiting for grammar_after
+  Gate gate = Gate::Off;
+  std::string after = params.grammar_after;  // the text WaitAfter waits for
+  std::string before;  // output bytes while waiting for `after` or a trigger
   std::vector<uint8_t> allowed;
   std::vector<float> masked;
-  if (params.json_grammar) {
+  if (grammar) {
     if (!tokenizer_) fail("constrained decoding needs a tokenizer");
     if (!trie_) trie_ = text::TokenTrie::build(*tokenizer_, backend_.config().vocab_size);
-    matcher.emplace(params.json_grammar);
-    constrained = params.grammar_after.empty();
+    gate = !after.empty() ? Gate::WaitAfter : tools ? Gate::WaitTrigger : Gate::Active;
+    if (gate == Gate::Active) matcher.emplace(grammar);
+    if (tools && params.tool_forced) {
+      matcher.emplace(grammar);
+      gate = matcher->feed(params.tool_prefix) ? Gate::Active : Gate::Off;
+    }
   }
+  // Bytes of the output once a gate waits: the next gate when its text shows.
+  auto wait = [&](std::string_view bytes) {
+    before += bytes;
+    for (;;) {
+      const std::string& want = gate == Gate::WaitAfter ? after : params.tool_trigger;
+      const size_t at = before.find(want);
+      if (at == std::string::npos) {
+        // Keep what may be the start of `want`.
+        if (before.size() >= want.size()) before.erase(0, before.size() - (want.size() - 1));
+        return;
+      }
+      std::string rest = before.substr(at + want.size());
+      before.clear();
+      if (gate == Gate::WaitAfter && tools) {
+        gate = Gate::WaitTrigger;
+        before = std::move(rest);
+        continue;
+      }
+      matcher.emplace(grammar);
+      gate = matcher->feed(rest) ? Gate::Active : Gate::Off;
+      if (gate == Gate::Active && tools && matcher->released()) {
+        gate = Gate::WaitTrigger;
+        continue;
+      }
+      return;
+    }
+  };
 
   Clock::time_point t_first{};
   for (;;) {
     std::span<const float> pick_from = logits;
-    if (constrained) {
+    if (gate == Gate::Active) {
       matcher->allowed_tokens(*trie_, allowed);
       const bool can_end = matcher->accepting();
       masked.assign(logits.size(), -std::numeric_limits<float>::infinity());
@@ -234,19 +271,23 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       pick_from = masked;
     }
     const int id = sampler.sample(pick_from, history, prompt.size());
-    if (matcher) {
-      const std::string_view bytes = tokenizer_->token_bytes(id);
-      if (constrained) {
+    if (gate != Gate::Off) {
+      std::string_view bytes = tokenizer_->token_bytes(id);
+      if (gate == Gate::Active) {
         matcher->feed(bytes);  // allowed by construction (a stop token feeds nothing)
-      } else {
-        before += bytes;
-        const size_t at = before.find(params.grammar_after);
-        if (at != std::string::npos) {
-          constrained = true;
-          matcher->feed(std::string_view(before).substr(at + params.grammar_after.size()));
-        } else if (before.size() > params.grammar_after.size()) {
-          before.erase(0, before.size() - params.grammar_after.size());
+        if (tools && matcher->released()) {
+          gate = Gate::WaitTrigger;
+          before.clear();
         }
+      } else {
+        // Reasoning the output opens itself is never constrained.
+        if (res.completion_tokens == 0 && gate == Gate::WaitTrigger && !params.think_open.empty() &&
+            bytes.substr(0, params.think_open.size()) == params.think_open) {
+          gate = Gate::WaitAfter;
+          after = "</" + params.think_open.substr(1);  // "<think>" -> "</think>"
+          bytes.remove_prefix(params.think_open.size());
+        }
+        wait(bytes);
       }
     }
     history.push_back(id);

@@ -71,6 +71,18 @@ struct GenerationParams {
   // constraint starts after that text in the output.
   std::shared_ptr<const text::JsonGrammar> json_grammar;
   std::string grammar_after;
+  // Constrained tool calls (needs a tokenizer; ignored with json_grammar):
+  // after each tool_trigger in the output (past grammar_after when set, and
+  // past the reasoning when the output opens with think_open), the call
+  // follows tool_grammar (JsonGrammar::tool_calls) until it is released;
+  // then the output is free again until the next trigger. tool_forced: the
+  // prompt ends inside a call (tool_choice required / named), whose text
+  // after the trigger is tool_prefix: the constraint starts there.
+  std::shared_ptr<const text::JsonGrammar> tool_grammar;
+  std::string tool_trigger = "<tool_call>";
+  std::string think_open;  // e.g. "<think>" when reasoning is on
+  bool tool_forced = false;
+  std::string tool_prefix;
 };
 
 enum class FinishReason { Stop, Length, Cancelled };
