@@ -276,6 +276,32 @@ void Server::Impl::handle_chat(const httplib::Request& req, httplib::Response& r
     gp.json_grammar = cr.json_schema ? cr.json_schema : text::JsonGrammar::any_object();
     if (setup.parser.starts_in_reasoning) gp.grammar_after = "</think>";
   }
+  // Tool calls are constrained to the tools' names and parameter schemas
+  // from each "<tool_call>" the reply writes outside its reasoning (or from
+  // the forced opening) to the end of the call. Schemas the grammar cannot
+  // express leave the calls unconstrained (they are still checked).
+  if (setup.parser.tool_dialect != text::ToolDialect::None) {
+    const ojson& all = cr.inputs.tools;
+    ojson tools = ojson::array();
+    for (const auto& t : all)
+      if (cr.tool_choice != ToolChoice::Named ||
+          (t.contains("function") && t["function"].is_object() && t["function"].value("name", "") == cr.tool_name))
+        tools.push_back(t);
+    try {
+      gp.tool_grammar = text::JsonGrammar::tool_calls(
+          tools, model.tool_dialect == text::ToolDialect::Xml ? text::ToolCallSyntax::Xml : text::ToolCallSyntax::Json);
+    } catch (const lily::Error&) {
+      gp.tool_grammar = nullptr;
+    }
+    const std::string& forced = setup.forced_prefix;
+    if (const size_t at = forced.find(gp.tool_trigger); gp.tool_grammar && at != std::string::npos) {
+      gp.tool_forced = true;
+      gp.tool_prefix = forced.substr(at + gp.tool_trigger.size());
+    } else if (gp.tool_grammar) {
+      if (setup.parser.starts_in_reasoning) gp.grammar_after = "</think>";
+      if (setup.parser.reasoning_enabled) gp.think_open = "<think>";
+    }
+  }
 
   auto builder = std::make_shared<ChatResponseBuilder>(std::move(setup), *model.tokenizer);
   auto job = submit(std::move(gp));

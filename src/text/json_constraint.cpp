@@ -349,6 +349,8 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::tool_calls(const nlohmann::order
   auto g = std::make_shared<JsonGrammar>();
   add_builtins(g->nodes_);
   if (!tools.is_array() || tools.empty()) fail("tools: expected a non-empty array");
+  // (Alternatives are followed at once, up to kMaxStacks of them.)
+  if (tools.size() > 32) fail("tools: more than 32 tools");
   auto add = [&](Node n) {
     g->nodes_.push_back(std::move(n));
     return static_cast<int>(g->nodes_.size()) - 1;
@@ -398,7 +400,7 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::tool_calls(const nlohmann::order
       for (const auto& r : params["required"])
         if (r.is_string()) required.push_back(r.get<std::string>());
     if (props) {
-      if (props->size() > static_cast<size_t>(kMaxProps)) fail(pw, ".properties: more than ", kMaxProps, " properties");
+      if (props->size() > 32) fail(pw, ".properties: more than 32 parameters");
       for (auto it = props->begin(); it != props->end(); ++it) {
         const auto& ps = it.value();
         const std::string pwhere = pw + ".properties." + it.key();

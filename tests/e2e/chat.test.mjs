@@ -285,6 +285,44 @@ test('tool-call round trip: a forced call, then the tool result in the history',
   }
 });
 
+test('tool calls are constrained to the tool schemas (random weights, forced call)', async () => {
+  const modeTool = {
+    type: 'function',
+    function: {
+      name: 'set_mode',
+      parameters: {
+        type: 'object',
+        properties: { mode: { enum: ['fast', 'slow'] }, level: { type: 'integer' } },
+        required: ['mode', 'level'],
+        additionalProperties: false,
+      },
+    },
+  };
+  const noTool = {
+    type: 'function',
+    function: { name: 'stop', parameters: { type: 'object', properties: {}, additionalProperties: false } },
+  };
+  // (No free-text parameter: a model of random weights would fill it up to max_tokens.)
+  for (const temperature of [0, 1]) {
+    const r = await client.chat.completions.create({
+      model: MODEL, messages: [{ role: 'user', content: 'Set the mode.' }], tools: [noTool, modeTool],
+      tool_choice: 'required', temperature, seed: 3, max_tokens: 60,
+    });
+    const calls = r.choices[0].message.tool_calls;
+    assert.ok(calls && calls.length >= 1, JSON.stringify(r.choices[0]));
+    const call = calls[0];
+    const args = JSON.parse(call.function.arguments);
+    if (call.function.name === 'set_mode') {
+      assert.deepEqual(Object.keys(args), ['mode', 'level']);
+      assert.ok(['fast', 'slow'].includes(args.mode));
+      assert.ok(Number.isInteger(args.level));
+    } else {
+      assert.equal(call.function.name, 'stop');
+      assert.deepEqual(args, {});
+    }
+  }
+});
+
 test('response_format json_schema: a model of random weights answers in the schema', async () => {
   const schema = {
     type: 'object',
