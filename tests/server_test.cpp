@@ -131,6 +131,8 @@ TEST(ServerApi, ChatSamplingParameters) {
       "logprobs": true, "top_logprobs": 3, "stream": true,
       "stream_options": {"include_usage": true}, "user": "u", "prompt_cache_key": "k",
       "logit_bias": {"5": -100, "999": 3.5, "7": 0}})");
+  EXPECT_EQ(r.common.n, 1);
+  EXPECT_EQ(chat(R"({"messages": [{"role": "user", "content": "x"}], "n": 16})").common.n, 16);
   const auto& s = r.common.sampling;
   EXPECT_EQ(s.logit_bias, (std::vector<std::pair<int, float>>{{5, -100.f}, {999, 3.5f}}));  // 0: dropped
   EXPECT_EQ(s.temperature, 0.f);
@@ -218,7 +220,8 @@ TEST(ServerApi, MissingFieldsAndBadValues) {
        "invalid_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100})",
        "max_completion_tokens", "invalid_value"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "n": 2})", "n", "unsupported_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 0})", "n", "invalid_value"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 17})", "n", "invalid_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs",
        "invalid_value"},
       {R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})",
@@ -381,7 +384,7 @@ TEST(ServerApi, CompletionRequests) {
       {R"({"prompt": "x", "logprobs": 6})", "logprobs"},
       {R"({"prompt": "x", "best_of": 2})", "best_of"},
       {R"({"prompt": "x", "suffix": "y"})", "suffix"},
-      {R"({"prompt": "x", "n": 3})", "n"},
+      {R"({"prompt": "x", "n": 300})", "n"},
       {R"({"prompt": "x", "max_tokens": 1000})", "max_tokens"},
   };
   for (const auto& c : cases) {

@@ -114,13 +114,7 @@ void parse_common(const ojson& body, const engine::SamplingParams& defaults, con
   c.model = get_string(body, "model").value_or("");
   c.user = get_string(body, "user").value_or("");
 
-  if (auto n = get_integer(body, "n", std::numeric_limits<long long>::min(),
-                           std::numeric_limits<long long>::max());
-      n && *n != 1)
-    throw bad_request(str_cat("Invalid value for 'n': lily returns one choice per request, so n "
-                              "must be 1 (got ",
-                              *n, ")."),
-                      "n", "unsupported_value");
+  if (auto n = get_integer(body, "n", 1, limits.max_n)) c.n = static_cast<int>(*n);
 
   engine::SamplingParams& s = c.sampling;
   s = defaults;

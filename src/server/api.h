@@ -55,6 +55,7 @@ struct Limits {
   int max_tokens_limit = 4096;  // largest max_tokens a request may ask for
   int max_stop_strings = 16;
   int max_top_logprobs = 20;
+  int max_n = 16;  // choices per request ("n")
   int vocab_size = 0;  // logit_bias ids must be below it (0: not checked here)
 };
 
@@ -62,6 +63,7 @@ struct Limits {
 struct CommonParams {
   engine::SamplingParams sampling;
   std::optional<int> max_tokens;
+  int n = 1;  // choices, generated one after another (the prompt is prefilled once)
   std::vector<std::string> stop;
   bool stream = false;
   bool include_usage = false;

@@ -83,6 +83,34 @@ ojson usage_json(const engine::GenerationResult& r) {
   return u;
 }
 
+ojson usage_json(const std::vector<engine::GenerationResult>& choices) {
+  if (choices.empty()) return usage_json(engine::GenerationResult{});
+  engine::GenerationResult sum = choices.front();  // the prompt counts once
+  for (size_t i = 1; i < choices.size(); ++i) sum.completion_tokens += choices[i].completion_tokens;
+  return usage_json(sum);
+}
+
+namespace {
+std::string stream_end(const std::string& id, const char* object, int64_t created, const std::string& model,
+                       bool include_usage, const ojson& usage) {
+  std::string out;
+  if (include_usage) {
+    ojson u = object_head(id, object, created, model);
+    u["choices"] = ojson::array();
+    u["usage"] = usage;
+    out += sse_data(u.dump(-1, ' ', false, kReplaceInvalidUtf8));
+  }
+  return out + sse_data("[DONE]");
+}
+}  // namespace
+
+std::string ChatResponseBuilder::end_stream(const ojson& usage) const {
+  return stream_end(s_.id, "chat.completion.chunk", s_.created, s_.model, s_.include_usage, usage);
+}
+std::string CompletionResponseBuilder::end_stream(const ojson& usage) const {
+  return stream_end(s_.id, "text_completion", s_.created, s_.model, s_.include_usage, usage);
+}
+
 std::string token_text(const text::Tokenizer& tok, int id) {
   std::string out;
   text::append_utf8_lossy(tok.token_bytes(id), true, out);
@@ -171,7 +199,7 @@ ojson ChatResponseBuilder::chunk(ojson delta, const ojson& finish_reason,
                                  const ojson& logprobs) const {
   ojson c = object_head(s_.id, "chat.completion.chunk", s_.created, s_.model);
   ojson choice;
-  choice["index"] = 0;
+  choice["index"] = index_;
   choice["delta"] = std::move(delta);
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason;
@@ -281,13 +309,7 @@ void ChatResponseBuilder::finish(std::string& out) {
   }
   out += sse_data(
       chunk(ojson::object(), finish_reason(), nullptr).dump(-1, ' ', false, kReplaceInvalidUtf8));
-  if (s_.include_usage) {
-    ojson u = object_head(s_.id, "chat.completion.chunk", s_.created, s_.model);
-    u["choices"] = ojson::array();
-    u["usage"] = usage_json(result_);
-    out += sse_data(u.dump(-1, ' ', false, kReplaceInvalidUtf8));
-  }
-  out += sse_data("[DONE]");
+  if (stream_end_) out += end_stream(usage_json(result_));
 }
 
 std::string ChatResponseBuilder::feed(std::vector<JobEvent>& events) {
@@ -351,7 +373,7 @@ ojson ChatResponseBuilder::body() const {
     msg["tool_calls"] = std::move(calls);
   }
   ojson choice;
-  choice["index"] = 0;
+  choice["index"] = index_;
   choice["message"] = std::move(msg);
   choice["logprobs"] =
       s_.logprobs ? ojson{{"content", logprobs_}, {"refusal", nullptr}} : ojson(nullptr);
@@ -379,7 +401,7 @@ ojson CompletionResponseBuilder::chunk(const std::string& text, const ojson& fin
   ojson c = object_head(s_.id, "text_completion", s_.created, s_.model);
   ojson choice;
   choice["text"] = text;
-  choice["index"] = 0;
+  choice["index"] = index_;
   choice["logprobs"] = logprobs;
   choice["finish_reason"] = finish_reason;
   c["choices"] = ojson::array({std::move(choice)});
@@ -434,13 +456,7 @@ std::string CompletionResponseBuilder::feed(std::vector<JobEvent>& events) {
       }
       out += sse_data(chunk("", engine::finish_reason_name(result_.finish), nullptr)
                           .dump(-1, ' ', false, kReplaceInvalidUtf8));
-      if (s_.include_usage) {
-        ojson u = object_head(s_.id, "text_completion", s_.created, s_.model);
-        u["choices"] = ojson::array();
-        u["usage"] = usage_json(result_);
-        out += sse_data(u.dump(-1, ' ', false, kReplaceInvalidUtf8));
-      }
-      out += sse_data("[DONE]");
+      if (stream_end_) out += end_stream(usage_json(result_));
     }
   }
   events.clear();
@@ -451,7 +467,7 @@ ojson CompletionResponseBuilder::body() const {
   check_complete();
   ojson choice;
   choice["text"] = text_;
-  choice["index"] = 0;
+  choice["index"] = index_;
   choice["logprobs"] = s_.logprobs >= 0 ? logprobs_ : ojson(nullptr);
   choice["finish_reason"] = engine::finish_reason_name(result_.finish);
   ojson b = object_head(s_.id, "text_completion", s_.created, s_.model);

@@ -28,6 +28,8 @@ int64_t unix_time_now();
 std::string sse_data(const std::string& payload);
 
 ojson usage_json(const engine::GenerationResult& r);
+// Of n choices of one prompt: the prompt counted once, completions summed.
+ojson usage_json(const std::vector<engine::GenerationResult>& choices);
 
 struct ChatSetup {
   std::string id, model;
@@ -69,6 +71,14 @@ class ResponseBuilderBase {
   std::string abort_stream(int status, const std::string& message, const std::string& code);
   const engine::GenerationResult& result() const { return result_; }
   double queue_seconds() const { return queue_seconds_; }
+  bool failed() const { return error_.has_value(); }
+  // One of n choices (request "n"): its index, and whether its stream ends
+  // with the usage chunk and [DONE] (false: the server writes them once all
+  // choices are done; an error still ends the stream).
+  void set_choice(int index, bool stream_end) {
+    index_ = index;
+    stream_end_ = stream_end;
+  }
 
  protected:
   // Records a Done or Error event (a cancelled job is an error) and marks the
@@ -78,6 +88,8 @@ class ResponseBuilderBase {
   void check_complete() const;
 
   bool done_ = false;
+  int index_ = 0;
+  bool stream_end_ = true;
   std::optional<ApiError> error_;
   engine::GenerationResult result_;
   double queue_seconds_ = 0;
@@ -96,6 +108,8 @@ class ChatResponseBuilder : public ResponseBuilderBase {
   // when the generation failed or its output broke tool_choice /
   // response_format.
   ojson body() const;
+  // The usage chunk (when asked for) and [DONE].
+  std::string end_stream(const ojson& usage) const;
 
  private:
   ojson chunk(ojson delta, const ojson& finish_reason, const ojson& logprobs) const;
@@ -126,6 +140,7 @@ class CompletionResponseBuilder : public ResponseBuilderBase {
   CompletionResponseBuilder(CompletionSetup setup, const text::Tokenizer& tokenizer);
   std::string feed(std::vector<JobEvent>& events);
   ojson body() const;
+  std::string end_stream(const ojson& usage) const;
 
  private:
   ojson chunk(const std::string& text, const ojson& finish_reason, const ojson& logprobs) const;

@@ -98,10 +98,14 @@ struct Server::Impl {
   ojson model_card() const;
   void log_request(const httplib::Request& req, const httplib::Response& res);
 
+  // Answers with n choices (jobs[i] feeding builders[i]): one body, or one
+  // stream whose chunks carry each choice's index.
   template <class Builder>
-  void respond(httplib::Response& res, const std::shared_ptr<Job>& job,
-               const std::shared_ptr<Builder>& builder, bool stream);
+  void respond(httplib::Response& res, const std::vector<std::shared_ptr<Job>>& jobs,
+               const std::vector<std::shared_ptr<Builder>>& builders, bool stream);
   std::shared_ptr<Job> submit(engine::GenerationParams params);
+  // n jobs of one request (choice i: seed + i when seeded); all or none.
+  std::vector<std::shared_ptr<Job>> submit_n(engine::GenerationParams params, int n);
 };
 
 void Server::Impl::send_error(httplib::Response& res, const ApiError& e) const {
@@ -171,70 +175,122 @@ std::shared_ptr<Job> Server::Impl::submit(engine::GenerationParams params) {
   return job;
 }
 
-template <class Builder>
-void Server::Impl::respond(httplib::Response& res, const std::shared_ptr<Job>& job,
-                           const std::shared_ptr<Builder>& builder, bool stream) {
-  if (!stream) {
-    std::vector<JobEvent> events;
-    while (!builder->done()) {
-      if (job->events.pop_all(events, std::chrono::milliseconds(500))) builder->feed(events);
+std::vector<std::shared_ptr<Job>> Server::Impl::submit_n(engine::GenerationParams params, int n) {
+  std::vector<std::shared_ptr<Job>> jobs;
+  try {
+    for (int i = 0; i < n; ++i) {
+      engine::GenerationParams p = params;
+      if (p.sampling.has_seed) p.sampling.seed += static_cast<uint64_t>(i);
+      jobs.push_back(submit(std::move(p)));
     }
-    record_stats(*builder);
-    res.set_content(builder->body().dump(-1, ' ', false, kReplaceInvalidUtf8),
-                    "application/json");  // may throw ApiError
+  } catch (...) {
+    for (const auto& j : jobs) {
+      j->cancel = true;
+      j->events.close();
+    }
+    throw;
+  }
+  return jobs;
+}
+
+template <class Builder>
+void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared_ptr<Job>>& jobs,
+                           const std::vector<std::shared_ptr<Builder>>& builders, bool stream) {
+  // The choices' jobs run one after another; each pass waits on the first
+  // unfinished one and takes whatever the others have.
+  auto pump = [jobs, builders](std::chrono::milliseconds wait) {
+    std::string out;
+    std::vector<JobEvent> events;
+    bool waited = false;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      if (builders[i]->done()) continue;
+      const auto w = waited ? std::chrono::milliseconds(0) : wait;
+      waited = true;
+      if (jobs[i]->events.pop_all(events, w)) out += builders[i]->feed(events);
+      if (builders[i]->failed()) break;  // (streamed: its error event ends the stream)
+    }
+    return out;
+  };
+  auto all_done = [builders] {
+    return std::all_of(builders.begin(), builders.end(), [](const auto& b) { return b->done(); });
+  };
+  auto any_failed = [builders] {
+    return std::any_of(builders.begin(), builders.end(), [](const auto& b) { return b->failed(); });
+  };
+  auto cancel_all = [jobs] {
+    for (const auto& j : jobs) {
+      j->cancel = true;
+      j->events.close();
+    }
+  };
+  auto usage = [builders] {
+    std::vector<engine::GenerationResult> r;
+    for (const auto& b : builders) r.push_back(b->result());
+    return usage_json(r);
+  };
+  if (!stream) {
+    while (!all_done() && !any_failed()) pump(std::chrono::milliseconds(500));
+    if (any_failed()) {
+      cancel_all();
+      for (const auto& b : builders)
+        if (b->failed()) b->body();  // throws its error
+    }
+    record_stats(*builders[0]);
+    ojson body = builders[0]->body();  // may throw ApiError
+    for (size_t i = 1; i < builders.size(); ++i) body["choices"].push_back(builders[i]->body()["choices"][0]);
+    if (builders.size() > 1) body["usage"] = usage();
+    res.set_content(body.dump(-1, ' ', false, kReplaceInvalidUtf8), "application/json");
     return;
   }
 
   struct StreamState {
-    std::shared_ptr<Job> job;
-    std::shared_ptr<Builder> builder;
     Clock::time_point last_write = Clock::now();
     bool finished = false;
   };
   auto st = std::make_shared<StreamState>();
-  st->job = job;
-  st->builder = builder;
   metrics.open_streams++;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [this, st](size_t, httplib::DataSink& sink) {
+      [this, st, jobs, builders, pump, all_done, any_failed, cancel_all, usage](size_t, httplib::DataSink& sink) {
         if (st->finished) {
           sink.done();
           return true;
         }
-        std::vector<JobEvent> events;
-        std::string out;
-        if (st->job->events.pop_all(events, std::chrono::milliseconds(250))) {
-          out = st->builder->feed(events);
-        } else if (!st->builder->done() && stopping && st->job->cancel) {
-          // The engine is gone (shutdown) and this job's final event may never come.
-          out = st->builder->abort_stream(503, "The server is shutting down.",
-                                          "server_shutting_down");
-        } else if (Clock::now() - st->last_write > std::chrono::seconds(2)) {
-          out = ": keep-alive\n\n";  // an SSE comment: finds clients that went away
+        std::string out = pump(std::chrono::milliseconds(250));
+        const bool failed = any_failed();
+        if (out.empty() && !failed && !all_done()) {
+          if (stopping && jobs.back()->cancel) {
+            // The engine is gone (shutdown) and a job's final event may never come.
+            for (const auto& b : builders)
+              if (!b->done()) {
+                out = b->abort_stream(503, "The server is shutting down.", "server_shutting_down");
+                break;
+              }
+          } else if (Clock::now() - st->last_write > std::chrono::seconds(2)) {
+            out = ": keep-alive\n\n";  // an SSE comment: finds clients that went away
+          }
         }
+        const bool end = any_failed() || all_done();
+        if (end && !any_failed() && builders.size() > 1) out += builders[0]->end_stream(usage());
         if (!out.empty()) {
           if (!sink.write(out.data(), out.size())) {
-            st->job->cancel = true;
-            st->job->events.close();
+            cancel_all();
             return false;
           }
           st->last_write = Clock::now();
         }
-        if (st->builder->done()) {
+        if (end) {
+          if (any_failed()) cancel_all();
           st->finished = true;
-          record_stats(*st->builder);
+          record_stats(*builders[0]);
           sink.done();
         }
         return true;
       },
-      [this, st](bool) {
-        if (!st->finished) {
-          st->job->cancel = true;
-          st->job->events.close();
-        }
+      [this, st, cancel_all](bool) {
+        if (!st->finished) cancel_all();
         metrics.open_streams--;
       });
 }
@@ -303,9 +359,12 @@ void Server::Impl::handle_chat(const httplib::Request& req, httplib::Response& r
     }
   }
 
-  auto builder = std::make_shared<ChatResponseBuilder>(std::move(setup), *model.tokenizer);
-  auto job = submit(std::move(gp));
-  respond(res, job, builder, cr.common.stream);
+  std::vector<std::shared_ptr<ChatResponseBuilder>> builders;
+  for (int i = 0; i < cr.common.n; ++i) {
+    builders.push_back(std::make_shared<ChatResponseBuilder>(setup, *model.tokenizer));
+    builders.back()->set_choice(i, cr.common.n == 1);
+  }
+  respond(res, submit_n(std::move(gp), cr.common.n), builders, cr.common.stream);
 }
 
 void Server::Impl::handle_completion(const httplib::Request& req, httplib::Response& res) {
@@ -347,9 +406,12 @@ void Server::Impl::handle_completion(const httplib::Request& req, httplib::Respo
   if (cr.echo)
     setup.echo_text =
         cr.prompt_is_tokens ? model.tokenizer->decode(cr.prompt_tokens) : cr.prompt_text;
-  auto builder = std::make_shared<CompletionResponseBuilder>(std::move(setup), *model.tokenizer);
-  auto job = submit(std::move(gp));
-  respond(res, job, builder, cr.common.stream);
+  std::vector<std::shared_ptr<CompletionResponseBuilder>> builders;
+  for (int i = 0; i < cr.common.n; ++i) {
+    builders.push_back(std::make_shared<CompletionResponseBuilder>(setup, *model.tokenizer));
+    builders.back()->set_choice(i, cr.common.n == 1);
+  }
+  respond(res, submit_n(std::move(gp), cr.common.n), builders, cr.common.stream);
 }
 
 void Server::Impl::log_request(const httplib::Request& req, const httplib::Response& res) {

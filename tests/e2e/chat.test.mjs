@@ -179,6 +179,45 @@ test('logit_bias bans and forces tokens', async () => {
     (e) => e.status === 400 && e.param === 'logit_bias');
 });
 
+test('n choices: indices, seeds, usage, streamed and not', async () => {
+  // Greedy: every choice is the reference continuation.
+  const g = await client.chat.completions.create({
+    model: MODEL, messages: haiku, temperature: 0, max_tokens: N, n: 3,
+  });
+  assert.equal(g.choices.length, 3);
+  g.choices.forEach((c, i) => {
+    assert.equal(c.index, i);
+    assert.equal(c.message.content, ref.generated_text);
+  });
+  assert.equal(g.usage.completion_tokens, 3 * N);
+  assert.equal(g.usage.total_tokens, g.usage.prompt_tokens + 3 * N);
+  // Seeded sampling: choice i is the single-choice request with seed + i.
+  const params = { model: MODEL, messages: haiku, temperature: 1, max_tokens: 10, seed: 77 };
+  const many = await client.chat.completions.create({ ...params, n: 3 });
+  for (let i = 0; i < 3; ++i) {
+    const one = await client.chat.completions.create({ ...params, seed: 77 + i });
+    assert.equal(many.choices[i].message.content, one.choices[0].message.content);
+  }
+  assert.notEqual(many.choices[0].message.content, many.choices[1].message.content);
+  // Streamed: each choice's deltas under its index, one usage chunk, one [DONE].
+  const chunks = await collectStream(await client.chat.completions.create({
+    ...params, n: 3, stream: true, stream_options: { include_usage: true },
+  }));
+  for (let i = 0; i < 3; ++i) {
+    const text = chunks.flatMap((c) => c.choices.filter((x) => x.index === i))
+      .map((x) => x.delta?.content ?? '').join('');
+    assert.equal(text, many.choices[i].message.content);
+  }
+  const usages = chunks.filter((c) => c.usage);
+  assert.equal(usages.length, 1);
+  assert.equal(usages[0].usage.completion_tokens, 30);
+  assert.equal(chunks.filter((c) => c.choices.some((x) => x.finish_reason)).length, 3);
+  // Completions too.
+  const comp = await client.completions.create({ model: MODEL, prompt: 'Hello', max_tokens: 4, n: 2, temperature: 0 });
+  assert.deepEqual(comp.choices.map((c) => c.index), [0, 1]);
+  assert.equal(comp.choices[0].text, comp.choices[1].text);
+});
+
 test('sampling parameters are accepted and seeds reproduce', async () => {
   const params = {
     model: MODEL, messages: haiku, max_tokens: 12, temperature: 0.9, top_p: 0.9, top_k: 50,

@@ -69,8 +69,8 @@ const cases = [
     { body: chat({ temperature: 7 }) }, 400, { param: 'temperature', code: 'invalid_value' }],
   ['top_p out of range', 'POST', '/v1/chat/completions',
     { body: chat({ top_p: 1.5 }) }, 400, { param: 'top_p' }],
-  ['n > 1', 'POST', '/v1/chat/completions', { body: chat({ n: 2 }) }, 400,
-    { param: 'n', code: 'unsupported_value' }],
+  ['n beyond 16', 'POST', '/v1/chat/completions', { body: chat({ n: 17 }) }, 400,
+    { param: 'n', code: 'invalid_value' }],
   ['top_logprobs without logprobs', 'POST', '/v1/chat/completions',
     { body: chat({ top_logprobs: 2 }) }, 400, { param: 'top_logprobs' }],
   ['max_tokens beyond the limit', 'POST', '/v1/chat/completions',
@@ -143,7 +143,7 @@ test('the SDK sees the same errors as typed exceptions', async () => {
   await assert.rejects(bad.chat.completions.create(chat()),
     (e) => e instanceof OpenAI.AuthenticationError && e.status === 401);
   const good = makeClient(server, KEY);
-  await assert.rejects(good.chat.completions.create(chat({ n: 3 })),
+  await assert.rejects(good.chat.completions.create(chat({ n: 30 })),
     (e) => e instanceof OpenAI.BadRequestError && e.param === 'n');
   await assert.rejects(good.chat.completions.create(chat({ max_tokens: 100 })),
     (e) => e instanceof OpenAI.BadRequestError && e.param === 'max_tokens');
