@@ -222,6 +222,21 @@ TEST(JsonConstraint, AgreesWithAStrictParser) {
 }
 
 // The mask from the trie walk equals feeding every token's bytes one by one.
+// The matcher's token mask against feeding every token's bytes one by one.
+void expect_mask_is_exact(const TokenTrie& trie, const JsonMatcher& m, const std::string& label) {
+  std::vector<uint8_t> mask;
+  m.allowed_tokens(trie, mask);
+  int allowed = 0, mismatches = 0;
+  for (int id = 0; id < trie.vocab_size(); ++id) {
+    const std::string_view b = trie.bytes(id);
+    const bool want = !b.empty() && m.can_feed(b);
+    allowed += mask[static_cast<size_t>(id)];
+    if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
+      ADD_FAILURE() << "prefix '" << label << "' token " << id << " '" << b << "' want " << want;
+  }
+  EXPECT_GT(allowed, 0) << label;
+}
+
 TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
   static const Tokenizer tok = Tokenizer::from_dir(LILY_FIXTURES_DIR "/tokenizer");
   const int V = tok.vocab_size();
@@ -241,21 +256,12 @@ TEST(JsonConstraint, TokenMaskEqualsFeedingEachToken) {
                             "{\"title\": \"x\", \"n\": 1.5e",
                             "{\"title\": \"x\", \"n\": 0, \"kind\": \"al",
                             "{\"title\": \"x\", \"n\": 0, \"kind\": \"beta\""};
-  std::vector<uint8_t> mask;
   for (const char* p : prefixes) {
     JsonMatcher m(g);
     ASSERT_TRUE(m.feed(p)) << p;
-    m.allowed_tokens(*trie, mask);
-    int allowed = 0, mismatches = 0;
-    for (int id = 0; id < V; ++id) {
-      const std::string_view b = trie->bytes(id);
-      const bool want = !b.empty() && m.can_feed(b);
-      allowed += mask[static_cast<size_t>(id)];
-      if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
-        ADD_FAILURE() << "prefix '" << p << "' token " << id << " '" << b << "' want " << want;
-    }
-    EXPECT_GT(allowed, 0) << p;
+    expect_mask_is_exact(*trie, m, p);
   }
+  std::vector<uint8_t> mask;
   // Added tokens (<|im_end|>, <think>) are never allowed: stop tokens are the caller's.
   JsonMatcher m(g);
   m.feed("{\"title\": \"");
@@ -345,21 +351,11 @@ TEST(JsonConstraint, ToolCallTokenMaskEqualsFeedingEachToken) {
       {ToolCallSyntax::Json, "\n{\"name\": \"get_"},
       {ToolCallSyntax::Json, "\n{\"name\": \"get_time\", \"arguments\": {}"},
   };
-  std::vector<uint8_t> mask;
   for (const auto& c : cases) {
     auto g = JsonGrammar::tool_calls(kTools, c.syntax);
     JsonMatcher m(g);
     ASSERT_TRUE(m.feed(c.prefix)) << c.prefix;
-    m.allowed_tokens(*trie, mask);
-    int allowed = 0, mismatches = 0;
-    for (int id = 0; id < V; ++id) {
-      const std::string_view b = trie->bytes(id);
-      const bool want = !b.empty() && m.can_feed(b);
-      allowed += mask[static_cast<size_t>(id)];
-      if (want != (mask[static_cast<size_t>(id)] != 0) && mismatches++ < 5)
-        ADD_FAILURE() << "prefix '" << c.prefix << "' token " << id << " '" << b << "' want " << want;
-    }
-    EXPECT_GT(allowed, 0) << c.prefix;
+    expect_mask_is_exact(*trie, m, c.prefix);
   }
 }
 

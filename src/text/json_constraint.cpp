@@ -332,13 +332,7 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
 namespace {
 
 bool typed_string(const nlohmann::ordered_json& s) {
-  if (!s.is_object() || !s.contains("type")) return false;
-  const auto& t = s["type"];
-  if (t.is_string()) return t.get<std::string>() == "string";
-  if (t.is_array())
-    for (const auto& one : t)
-      if (one.is_string() && one.get<std::string>() == "string") return true;
-  return false;
+  return s.is_object() && s.contains("type") && schema_type_is_string(s["type"]);
 }
 
 }  // namespace

@@ -44,6 +44,18 @@ class Tokenizer;
 // <function=f>\n<parameter=p>\nVALUE\n</parameter>\n...</function>.
 enum class ToolCallSyntax { Json, Xml };
 
+// Whether a schema's "type" (a name or a list of them) includes "string":
+// such a parameter is raw text in the XML syntax (the parser keeps it a
+// string, text/output_parser.h; the grammar lets it be any text).
+template <class Json>
+bool schema_type_is_string(const Json& type) {
+  if (type.is_string()) return type.template get<std::string>() == "string";
+  if (type.is_array())
+    for (const auto& t : type)
+      if (t.is_string() && t.template get<std::string>() == "string") return true;
+  return false;
+}
+
 class JsonGrammar {
  public:
   // Throws lily::Error naming the unsupported or malformed part

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "text/json_constraint.h"
 
 namespace lily::text {
 
@@ -65,14 +66,6 @@ Scan scan_tag_name(std::string_view s, size_t pos, std::string& name, size_t& en
     if (c == '<' || c == '\n' || c == '\r' || i - pos >= kMaxNameLength) return Scan::Bad;
   }
   return Scan::Partial;
-}
-
-bool schema_type_is_string(const nlohmann::json& type) {
-  if (type.is_string()) return type.get<std::string>() == "string";
-  if (type.is_array())
-    for (const auto& t : type)
-      if (t.is_string() && t.get<std::string>() == "string") return true;
-  return false;
 }
 
 }  // namespace
