@@ -216,11 +216,12 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   if (grammar) {
     if (!tokenizer_) fail("constrained decoding needs a tokenizer");
     if (!trie_) trie_ = text::TokenTrie::build(*tokenizer_, backend_.config().vocab_size);
-    gate = !after.empty() ? Gate::WaitAfter : tools ? Gate::WaitTrigger : Gate::Active;
-    if (gate == Gate::Active) matcher.emplace(grammar);
     if (tools && params.tool_forced) {
       matcher.emplace(grammar);
       gate = matcher->feed(params.tool_prefix) ? Gate::Active : Gate::Off;
+    } else {
+      gate = !after.empty() ? Gate::WaitAfter : tools ? Gate::WaitTrigger : Gate::Active;
+      if (gate == Gate::Active) matcher.emplace(grammar);
     }
   }
   // Bytes of the output once a gate waits: the next gate when its text shows.

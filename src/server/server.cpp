@@ -259,8 +259,7 @@ void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared
           return true;
         }
         std::string out = pump(std::chrono::milliseconds(250));
-        const bool failed = any_failed();
-        if (out.empty() && !failed && !all_done()) {
+        if (out.empty() && !any_failed() && !all_done()) {
           if (stopping && jobs.back()->cancel) {
             // The engine is gone (shutdown) and a job's final event may never come.
             for (const auto& b : builders)
@@ -272,8 +271,8 @@ void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared
             out = ": keep-alive\n\n";  // an SSE comment: finds clients that went away
           }
         }
-        const bool end = any_failed() || all_done();
-        if (end && !any_failed() && builders.size() > 1) out += builders[0]->end_stream(usage());
+        const bool failed = any_failed(), end = failed || all_done();
+        if (end && !failed && builders.size() > 1) out += builders[0]->end_stream(usage());
         if (!out.empty()) {
           if (!sink.write(out.data(), out.size())) {
             cancel_all();
@@ -282,7 +281,7 @@ void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared
           st->last_write = Clock::now();
         }
         if (end) {
-          if (any_failed()) cancel_all();
+          if (failed) cancel_all();
           st->finished = true;
           record_stats(*builders[0]);
           sink.done();

@@ -345,16 +345,13 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::tool_calls(const nlohmann::order
   if (!tools.is_array() || tools.empty()) fail("tools: expected a non-empty array");
   // (Alternatives are followed at once, up to kMaxStacks of them.)
   if (tools.size() > 32) fail("tools: more than 32 tools");
-  auto add = [&](Node n) {
-    g->nodes_.push_back(std::move(n));
-    return static_cast<int>(g->nodes_.size()) - 1;
-  };
+  SchemaCompiler base{*g, tools, {}};  // nodes outside any tool's schema
   auto node = [&](K kind, std::vector<int> alts = {}, std::vector<std::string> texts = {}) {
     Node n;
     n.kind = kind;
     n.alts = std::move(alts);
     n.texts = std::move(texts);
-    return add(std::move(n));
+    return base.add(std::move(n));
   };
   static const nlohmann::ordered_json kAnyObject = {{"type", "object"}};
   std::vector<int> calls;
@@ -375,7 +372,7 @@ std::shared_ptr<const JsonGrammar> JsonGrammar::tool_calls(const nlohmann::order
       obj.additional = -1;
       obj.props.push_back({"name", c.literal({nlohmann::json(name).dump()}), true});
       obj.props.push_back({"arguments", -1, true});
-      const int self = add(std::move(obj));
+      const int self = base.add(std::move(obj));
       const int args = c.compile(params, where + ".parameters");
       g->nodes_[static_cast<size_t>(self)].props[1].node = args;
       calls.push_back(self);

@@ -16,7 +16,9 @@ template <bool Fused>
 __global__ void __launch_bounds__(kDnThreads) deltanet_step_kernel(const __grid_constant__ DeltaNetParams params) {
   // A local copy: the helpers take the parameters by reference, and with the
   // kernel parameter's address passed down ptxas kept 93 registers (64 with
-  // the copy, as before the helpers), which cost the whole step 5.8% at 4K.
+  // the copy, as before the helpers). The tree with 93 decoded 5.8% slower at
+  // 4K than v18's; that this was the cause is not yet measured
+  // (docs/cuda-decode.md, v22).
   const DeltaNetParams p = params;
   const int h = blockIdx.x, cb = blockIdx.y;
   const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
