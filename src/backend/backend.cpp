@@ -20,6 +20,46 @@ bool Backend::can_truncate() const {
   return true;
 }
 
+void Backend::draft_begin(SequenceCache& cache, int T) {
+  if (cache.draft_tokens_ != 0) fail("internal: forward_draft while a draft run is not yet settled");
+  if (T < 1) fail("forward_draft: no tokens");
+  cache.draft_tokens_ = T;
+}
+
+int Backend::draft_end(SequenceCache& cache, int n) {
+  const int T = cache.draft_tokens_;
+  if (T == 0) fail("internal: accept_draft without a draft run");
+  if (n < 1 || n > T) fail("internal: accept_draft(", n, ") after a run of ", T, " tokens");
+  cache.draft_tokens_ = 0;
+  return T;
+}
+
+void Backend::forward_draft(SequenceCache& cache, std::span<const int> tokens, float* logits) {
+  if (cache.draft_tokens_ != 0) fail("internal: forward_draft while a draft run is not yet settled");
+  const bool cut = can_truncate();
+  if (!cut) cache.draft_base_ = cache.clone();
+  cache.draft_run_.assign(tokens.begin(), tokens.end());
+  forward(cache, tokens, LogitsMode::All, logits);
+  draft_begin(cache, static_cast<int>(tokens.size()));
+}
+
+void Backend::accept_draft(SequenceCache& cache, int n) {
+  const int T = draft_end(cache, n);
+  std::unique_ptr<SequenceCache> base = std::move(cache.draft_base_);
+  std::vector<int> run = std::move(cache.draft_run_);
+  cache.draft_run_.clear();
+  if (n == T) return;
+  if (can_truncate()) {
+    truncate(cache, cache.n_past() - (T - n));
+    return;
+  }
+  if (!base) fail("internal: accept_draft without the state before the run");
+  copy_cache(*base, cache);
+  std::vector<float> scratch(static_cast<size_t>(config().vocab_size));
+  forward(cache, std::span<const int>(run.data(), static_cast<size_t>(n)), LogitsMode::LastOnly,
+          scratch.data());
+}
+
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
 namespace {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "model/weights.h"
 
@@ -25,9 +26,24 @@ class SequenceCache {
   virtual std::unique_ptr<SequenceCache> clone() const = 0;
   // Memory the cache holds now.
   virtual size_t bytes() const = 0;
+  // Tokens of a forward_draft not yet settled by accept_draft (0: none).
+  int draft_pending() const { return draft_tokens_; }
+  // Forgets a pending draft run's bookkeeping (after a failed step, with the
+  // cache about to be cleared).
+  void forget_draft() {
+    draft_tokens_ = 0;
+    draft_run_.clear();
+    draft_base_.reset();
+  }
 
  protected:
+  friend class Backend;
   int n_past_ = 0;
+  int draft_tokens_ = 0;
+  // Backend's default draft bookkeeping: the run's tokens and the state
+  // before it (hybrid models).
+  std::vector<int> draft_run_;
+  std::unique_ptr<SequenceCache> draft_base_;
 };
 
 enum class LogitsMode { LastOnly, All };
@@ -56,6 +72,28 @@ class Backend {
   virtual void truncate(SequenceCache& cache, int n) = 0;
   // Whether truncate() takes any n: the model has no DeltaNet layers.
   bool can_truncate() const;
+
+  // Speculative verification. forward_draft runs `tokens` (a token and the
+  // drafted tokens after it) as forward(All) does, n rows of logits, and
+  // keeps what it needs to return to any position inside the run;
+  // accept_draft(n) then keeps the run's first n tokens (1 <= n <= the
+  // run's length) and drops the rest. Nothing else may use the cache in
+  // between (other calls fail). This default keeps a copy of the state
+  // before the run (hybrid models) and, when tokens are dropped, restores
+  // it and runs the kept ones again; a pure-attention model's cache is cut
+  // back. Backends override it with a cheaper way.
+  virtual void forward_draft(SequenceCache& cache, std::span<const int> tokens, float* logits);
+  virtual void accept_draft(SequenceCache& cache, int n);
+  // The longest run forward_draft is worth for (the engine drafts at most
+  // this many tokens minus one): 1 where a few-token forward costs far
+  // more than a decode step, so that drafting cannot pay.
+  virtual int max_draft_run() const { return 1; }
+
+ protected:
+  // For overrides: checks a forward_draft / accept_draft call and records
+  // (begin) or clears (end) the pending run.
+  static void draft_begin(SequenceCache& cache, int T);
+  static int draft_end(SequenceCache& cache, int n);  // returns the run's length
 };
 
 struct BackendOptions {

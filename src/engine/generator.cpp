@@ -6,6 +6,7 @@
 #include <new>
 
 #include "core/error.h"
+#include "engine/draft.h"
 #include "text/detokenizer.h"
 #include "text/json_constraint.h"
 #include "text/stop_matcher.h"
@@ -173,6 +174,113 @@ GenerationResult Generator::generate(const GenerationParams& params, const Event
   }
 }
 
+// Speculative decoding inside Generator::run. A draft (prompt lookup) is
+// fed with the token after which it follows as one run; each sample then
+// either matches the run's next draft token (its logits are the run's next
+// row: no forward) or ends the run's use, the unmatched rest dropped. The
+// samples are drawn exactly as without drafts (same sampler, same random
+// draws), so the output's distribution, and a seeded output, are those of
+// plain decoding up to the floating-point difference between a run and
+// single steps. Runs are timed against plain steps: while runs produce
+// fewer tokens per second than plain steps would, drafting pauses for a
+// growing number of steps.
+class Generator::Speculation {
+ public:
+  Speculation(Generator& g, const GenerationParams& params, int max_new)
+      : g_(g), max_new_(max_new) {
+    const int limit = params.speculative_tokens >= 0 ? params.speculative_tokens : g.speculative_tokens;
+    max_k_ = std::min(limit, g.backend_.max_draft_run() - 1);
+    k_ = max_k_;
+  }
+
+  // Whether the sampled token is the run's next draft (then already fed).
+  bool matched(int id) {
+    if (used_ < draft_.size() && draft_[used_] == id) {
+      ++used_;
+      return true;
+    }
+    return false;
+  }
+  size_t used() const { return used_; }
+
+  // Keeps the fed token and the matched drafts of the pending run.
+  void settle(GenerationResult& res) {
+    if (draft_.empty()) return;
+    const auto t = Clock::now();
+    g_.seq_.accept_draft(static_cast<int>(1 + used_));
+    run_s_ += seconds_between(t, Clock::now());
+    res.draft_tokens += static_cast<int>(draft_.size());
+    res.accepted_tokens += static_cast<int>(used_);
+    learn(static_cast<int>(used_));
+    draft_.clear();
+    used_ = 0;
+  }
+
+  // Feeds `id` with a draft after it, if there is one worth running;
+  // `out` gets a row of logits per token of the run.
+  bool start(int id, const std::vector<int>& history, int produced, std::vector<float>& out) {
+    if (max_k_ <= 0) return false;
+    if (pause_ > 0) {
+      --pause_;
+      return false;
+    }
+    if (step_s_ <= 0) return false;  // time a plain step first
+    // Drafts past the last sample, or past the context, are wasted.
+    const int room = std::min(max_new_ - produced - 1, g_.context_ - g_.seq_.size() - 1);
+    const int k = std::min(k_, room);
+    if (k <= 0) return false;
+    std::vector<int> d = lookup_.propose(history, k);
+    if (d.empty()) return false;
+    std::vector<int> run;
+    run.reserve(d.size() + 1);
+    run.push_back(id);
+    run.insert(run.end(), d.begin(), d.end());
+    const auto t = Clock::now();
+    out = g_.seq_.append_draft(run);
+    run_s_ = seconds_between(t, Clock::now());
+    draft_ = std::move(d);
+    used_ = 0;
+    return true;
+  }
+
+  std::vector<float> plain_step(int id) {
+    const auto t = Clock::now();
+    std::vector<float> out = g_.seq_.append(std::span<const int>(&id, 1));
+    const double s = seconds_between(t, Clock::now());
+    step_s_ = step_s_ <= 0 ? s : 0.8 * step_s_ + 0.2 * s;
+    return out;
+  }
+
+ private:
+  // After a run that matched `a` of its drafts: the next draft length and
+  // whether drafting pays here.
+  void learn(int a) {
+    const int k = static_cast<int>(draft_.size());
+    k_ = a == k ? std::min(max_k_, k + 1) : std::max(1, a + 1);
+    if (!g_.speculative_adaptive || step_s_ <= 0) return;
+    // Tokens this run produced per plain step's time.
+    const double gain = (1 + a) * step_s_ / std::max(run_s_, 1e-9);
+    gain_ = runs_ == 0 ? gain : 0.7 * gain_ + 0.3 * gain;
+    ++runs_;
+    if (runs_ >= 3 && gain_ < 1.0) {
+      pause_ = backoff_;
+      backoff_ = std::min(backoff_ * 2, 1024);
+      runs_ = 0;
+    } else if (gain_ >= 1.0) {
+      backoff_ = 16;
+    }
+  }
+
+  Generator& g_;
+  int max_new_;
+  int max_k_ = 0, k_ = 0;
+  PromptLookup lookup_;
+  std::vector<int> draft_;  // the pending run's drafts
+  size_t used_ = 0;         // how many of them the samples matched
+  double step_s_ = 0, run_s_ = 0, gain_ = 0;
+  int runs_ = 0, pause_ = 0, backoff_ = 16;
+};
+
 GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler, int max_new,
                                 std::chrono::steady_clock::time_point t0, const EventFn& on_event,
                                 const std::atomic<bool>* cancel) {
@@ -186,7 +294,12 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     res.prefill_seconds = seconds_between(t0, Clock::now());
     return res;
   }
-  std::vector<float> logits = std::move(*pre);
+  // The logits the next token is drawn from: a row of `buf` (the last
+  // forward's output).
+  std::vector<float> buf = std::move(*pre);
+  std::span<const float> logits = buf;
+  const size_t V = buf.size();
+  Speculation spec(*this, params, max_new);
 
   std::optional<text::StreamDecoder> decoder;
   if (tokenizer_) decoder.emplace(*tokenizer_, params.skip_special);
@@ -331,8 +444,24 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       res.finish = FinishReason::Cancelled;
       break;
     }
-    logits = seq_.append(std::span<const int>(&id, 1));
+    // Feed the token, unless a draft run already did: its next row holds
+    // the logits. Otherwise settle the run (its unmatched drafts dropped)
+    // and feed the token with new drafts after it, if any.
+    if (spec.matched(id)) {
+      logits = std::span<const float>(buf).subspan(spec.used() * V, V);
+      continue;
+    }
+    spec.settle(res);
+    if (spec.start(id, history, res.completion_tokens, buf)) {
+      logits = std::span<const float>(buf).first(V);
+    } else {
+      buf = spec.plain_step(id);
+      logits = buf;
+    }
   }
+  // The last sampled token is never fed: a draft run's unmatched part, and
+  // the token itself where it matched a draft, are dropped.
+  spec.settle(res);
   const auto t_end = Clock::now();
   res.prefill_seconds = seconds_between(t0, t_first);
   res.decode_seconds = seconds_between(t_first, t_end);

@@ -83,6 +83,10 @@ struct GenerationParams {
   std::string think_open;  // e.g. "<think>" when reasoning is on
   bool tool_forced = false;
   std::string tool_prefix;
+  // Speculative decoding: the most tokens drafted (by prompt lookup) after
+  // a token and verified with it in one forward; 0: none; -1: the
+  // generator's speculative_tokens.
+  int speculative_tokens = -1;
 };
 
 enum class FinishReason { Stop, Length, Cancelled };
@@ -112,6 +116,8 @@ struct GenerationResult {
   int stop_token = -1;         // the stop token that ended it, if any
   double prefill_seconds = 0;  // start of generate() to the first token
   double decode_seconds = 0;   // first token to the end
+  int draft_tokens = 0;        // speculative: tokens drafted and run
+  int accepted_tokens = 0;     // of them, those the samples matched
 };
 
 class Generator {
@@ -131,6 +137,12 @@ class Generator {
   // (or, for a pure-attention model, the part the next request keeps) covers
   // all but fewer than this many of its tokens.
   int keep_min_tokens = 64;
+  // Speculative decoding (prompt lookup): the most tokens drafted per step
+  // (capped by Backend::max_draft_run; 0: off), and whether drafting pauses
+  // while its runs cost more time than the tokens they produce (off: always
+  // draft when a draft is found, for tests).
+  int speculative_tokens = 0;
+  bool speculative_adaptive = true;
   // Limits of the prefix cache (default 1 GiB, 32 entries; 0 bytes or
   // entries: only the live sequence is reused).
   void set_prefix_cache(size_t budget_bytes, int max_entries) { cache_.configure(budget_bytes, max_entries); }
@@ -149,6 +161,8 @@ class Generator {
   const std::vector<int>& slot_tokens() const { return seq_.tokens(); }
 
  private:
+  class Speculation;
+
   // Brings the sequence to `prompt`, reusing what it can; returns the
   // logits after the last prompt token, or nullopt if cancelled.
   std::optional<std::vector<float>> prefill(const std::vector<int>& prompt, bool reuse, int& cached,

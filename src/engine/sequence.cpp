@@ -11,7 +11,14 @@ Sequence::Sequence(Backend& backend, int max_positions)
   if (max_positions <= 0) fail("context size must be positive (got ", max_positions, ")");
 }
 
-std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode) {
+namespace {
+void no_pending_draft(const SequenceCache& cache) {
+  if (cache.draft_pending()) fail("internal: the sequence has a draft run not yet accepted");
+}
+}  // namespace
+
+void Sequence::check_append(std::span<const int> tokens) const {
+  no_pending_draft(*cache_);
   if (tokens.empty()) fail("append: no tokens");
   if (size() + static_cast<long>(tokens.size()) > max_positions_)
     fail("sequence of ", size() + tokens.size(), " tokens exceeds the context limit of ",
@@ -19,6 +26,11 @@ std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode
   const int V = backend_.config().vocab_size;
   for (int t : tokens)
     if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
+}
+
+std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode) {
+  check_append(tokens);
+  const int V = backend_.config().vocab_size;
   const size_t rows = mode == LogitsMode::All ? tokens.size() : 1;
   std::vector<float> logits(rows * V);
   backend_.forward(*cache_, tokens, mode, logits.data());
@@ -26,13 +38,31 @@ std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode
   return logits;
 }
 
-Sequence::Snapshot Sequence::snapshot() const { return {tokens_, cache_->clone()}; }
+std::vector<float> Sequence::append_draft(std::span<const int> tokens) {
+  check_append(tokens);
+  std::vector<float> logits(tokens.size() * static_cast<size_t>(backend_.config().vocab_size));
+  backend_.forward_draft(*cache_, tokens, logits.data());
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  return logits;
+}
+
+void Sequence::accept_draft(int n) {
+  const int T = cache_->draft_pending();
+  backend_.accept_draft(*cache_, n);
+  tokens_.resize(tokens_.size() - static_cast<size_t>(T - n));
+}
+
+Sequence::Snapshot Sequence::snapshot() const {
+  no_pending_draft(*cache_);
+  return {tokens_, cache_->clone()};
+}
 
 void Sequence::restore(const std::vector<int>& tokens, const SequenceCache& cache) {
   if (static_cast<int>(tokens.size()) != cache.n_past())
     fail("internal: a snapshot of ", tokens.size(), " tokens holds ", cache.n_past(), " positions");
   if (cache.n_past() > max_positions_)
     fail("internal: a snapshot of ", cache.n_past(), " positions exceeds the context limit of ", max_positions_);
+  no_pending_draft(*cache_);
   tokens_.clear();  // a failed copy leaves an empty sequence, not a half-copied one
   backend_.copy_cache(cache, *cache_);
   tokens_ = tokens;
@@ -41,12 +71,14 @@ void Sequence::restore(const std::vector<int>& tokens, const SequenceCache& cach
 void Sequence::truncate(int n) {
   if (n < 0 || n > size()) fail("internal: truncating ", size(), " tokens to ", n);
   if (n == size()) return;
+  no_pending_draft(*cache_);
   backend_.truncate(*cache_, n);
   tokens_.resize(static_cast<size_t>(n));
 }
 
 void Sequence::reset() {
   tokens_.clear();
+  cache_->forget_draft();
   try {
     backend_.truncate(*cache_, 0);  // also clears what a failed step or copy left
   } catch (const Error&) {

@@ -27,6 +27,14 @@ class Sequence {
   // last row only).
   std::vector<float> append(std::span<const int> tokens, LogitsMode mode = LogitsMode::LastOnly);
 
+  // Speculative verification: runs `tokens` (the next token and drafted
+  // ones after it) and returns a row of logits per token; accept_draft(n)
+  // then keeps the first n of them (1 <= n <= tokens.size()). In between,
+  // only accept_draft and reset may be called.
+  std::vector<float> append_draft(std::span<const int> tokens);
+  void accept_draft(int n);
+  int draft_pending() const { return cache_->draft_pending(); }
+
   struct Snapshot {
     std::vector<int> tokens;
     std::unique_ptr<SequenceCache> cache;
@@ -43,6 +51,8 @@ class Sequence {
   void reset();
 
  private:
+  void check_append(std::span<const int> tokens) const;
+
   Backend& backend_;
   int max_positions_;
   std::vector<int> tokens_;

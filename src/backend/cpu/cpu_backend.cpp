@@ -29,13 +29,25 @@ class CpuCache final : public SequenceCache {
     std::vector<float> state, conv;   // DeltaNet: [v_heads][dk][dv], [channels][kernel - 1]
   };
   std::vector<Layer> layers;
+  // A speculative run's record per DeltaNet layer (forward_draft): the
+  // state before it and what deltanet_replay needs. Scratch: not cloned.
+  struct DraftLayer {
+    std::vector<float> state, conv;            // before the run
+    std::vector<float> qkv_in, qkv, g, beta;   // per token of the run
+  };
+  std::vector<DraftLayer> draft;
 
   std::unique_ptr<SequenceCache> clone() const override {
-    return std::make_unique<CpuCache>(*this);
+    auto c = std::make_unique<CpuCache>();
+    c->layers = layers;
+    c->set_n_past(n_past());
+    return c;
   }
   size_t bytes() const override {
     size_t n = 0;
     for (const auto& l : layers) n += 4 * (l.k.size() + l.v.size() + l.state.size() + l.conv.size());
+    for (const auto& d : draft)
+      n += 4 * (d.state.size() + d.conv.size() + d.qkv_in.size() + d.qkv.size() + d.g.size() + d.beta.size());
     return n;
   }
   void advance(int n) { n_past_ += n; }
@@ -104,7 +116,55 @@ class CpuBackend final : public Backend {
 
   void forward(SequenceCache& base, std::span<const int> tokens, LogitsMode mode,
                float* logits) override {
+    run(dynamic_cast<CpuCache&>(base), tokens, mode, logits, false);
+  }
+
+  // A draft run as T decode steps would compute it (the DeltaNet layers
+  // step by step), recording each DeltaNet layer's state before the run and
+  // its per-token values; accept_draft cuts the KV rows back and replays
+  // the kept tokens' state updates from the record.
+  void forward_draft(SequenceCache& base, std::span<const int> tokens, float* logits) override {
     auto& cache = dynamic_cast<CpuCache&>(base);
+    if (cache.draft_pending()) fail("internal: forward_draft while a draft run is not yet settled");
+    cache.draft.resize(cache.layers.size());
+    for (size_t i = 0; i < cache.layers.size(); ++i) {
+      if (cache.layers[i].state.empty()) continue;
+      cache.draft[i].state.assign(cache.layers[i].state.begin(), cache.layers[i].state.end());
+      cache.draft[i].conv.assign(cache.layers[i].conv.begin(), cache.layers[i].conv.end());
+    }
+    run(cache, tokens, LogitsMode::All, logits, true);
+    draft_begin(cache, static_cast<int>(tokens.size()));
+  }
+
+  void accept_draft(SequenceCache& base, int n) override {
+    auto& cache = dynamic_cast<CpuCache&>(base);
+    const int T = draft_end(cache, n);
+    if (n == T) return;
+    const int keep_positions = cache.n_past() - (T - n);
+    const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
+    for (size_t i = 0; i < cache.layers.size(); ++i) {
+      auto& L = cache.layers[i];
+      if (L.state.empty()) {
+        L.k.resize(row * static_cast<size_t>(keep_positions));
+        L.v.resize(row * static_cast<size_t>(keep_positions));
+        continue;
+      }
+      const auto& D = cache.draft[i];
+      L.state.assign(D.state.begin(), D.state.end());
+      L.conv.assign(D.conv.begin(), D.conv.end());
+      cpu::deltanet_replay(pool_, {n, c_.linear_num_key_heads, c_.linear_num_value_heads, c_.linear_key_head_dim,
+                                   c_.linear_value_head_dim, c_.linear_conv_kernel, D.qkv_in.data(), D.qkv.data(),
+                                   D.g.data(), D.beta.data(), L.conv.data(), L.state.data()});
+    }
+    cache.set_n_past(keep_positions);
+  }
+
+  // A few tokens cost about one decode step here (the weights are read
+  // once for up to 4 input rows).
+  int max_draft_run() const override { return 8; }
+
+ private:
+  void run(CpuCache& cache, std::span<const int> tokens, LogitsMode mode, float* logits, bool draft) {
     const int T = static_cast<int>(tokens.size());
     if (T == 0) fail("forward: no tokens");
     const int H = c_.hidden_size;
@@ -121,7 +181,8 @@ class CpuBackend final : public Backend {
       if (L.kind == LayerKind::FullAttention)
         attention_block(L.attn, cache.layers[l], cache.n_past(), xn.data(), T, y.data());
       else
-        deltanet_block(L.deltanet, cache.layers[l], xn.data(), T, y.data());
+        deltanet_block(L.deltanet, cache.layers[l], xn.data(), T, y.data(),
+                       draft ? &cache.draft[l] : nullptr);
       for (size_t i = 0; i < x.size(); ++i) x[i] += y[i];
       norm_rows(x.data(), L.post_norm.data(), T, xn.data());
       if (L.is_moe) moe_block(L.moe, xn.data(), T, y.data());
@@ -136,7 +197,6 @@ class CpuBackend final : public Backend {
     matmul(pool_, w_->lm_head, xn.data(), rows, H, logits, c_.vocab_size);
   }
 
- private:
   void norm_rows(const float* x, const float* w, int T, float* out) {
     const int H = c_.hidden_size;
     for (int t = 0; t < T; ++t) cpu::rms_norm(x + t * H, w, H, c_.rms_norm_eps, out + t * H);
@@ -185,7 +245,7 @@ class CpuBackend final : public Backend {
   }
 
   void deltanet_block(const DeltaNetWeights& D, CpuCache::Layer& cache, const float* xn, int T,
-                      float* out) {
+                      float* out, CpuCache::DraftLayer* draft) {
     const int H = c_.hidden_size, C = c_.deltanet_qkv_dim(), K = c_.linear_conv_kernel;
     const int nk = c_.linear_num_key_heads, nv = c_.linear_num_value_heads;
     const int dk = c_.linear_key_head_dim, dv = c_.linear_value_head_dim;
@@ -198,9 +258,19 @@ class CpuBackend final : public Backend {
                                  {&D.in_a, xn, T, size_t(H), a.data(), size_t(nv)}};
     cpu::matmul_many(pool_, in);
 
-    cpu::deltanet_layer(pool_, {T, nk, nv, dk, dv, K, qkv.data(), a.data(), b.data(), D.conv.data(),
-                                D.a_log.data(), D.dt_bias.data(), cache.conv.data(), cache.state.data(),
-                                o.data()});
+    cpu::DeltaNetLayerIO io{T, nk, nv, dk, dv, K, qkv.data(), a.data(), b.data(), D.conv.data(),
+                            D.a_log.data(), D.dt_bias.data(), cache.conv.data(), cache.state.data(),
+                            o.data()};
+    if (draft) {
+      draft->qkv_in.assign(qkv.begin(), qkv.end());
+      draft->qkv.resize(qkv.size());
+      draft->g.resize(b.size());
+      draft->beta.resize(b.size());
+      io.rec_qkv = draft->qkv.data();
+      io.rec_g = draft->g.data();
+      io.rec_beta = draft->beta.data();
+    }
+    cpu::deltanet_layer(pool_, io);
 
     // Gated RMSNorm per head: norm(o) * w * silu(z).
     for (int t = 0; t < T; ++t)

@@ -26,6 +26,7 @@ void deltanet_recurrent(const DeltaNetHeadIO& io, float* S) {
     for (int j = 0; j < dv; ++j) delta[j] = (v[j] - delta[j]) * beta;
     for (int i = 0; i < dk; ++i)
       for (int j = 0; j < dv; ++j) S[i * dv + j] += k[i] * delta[j];
+    if (!io.out) continue;
     float* o = io.out + t * io.out_stride;
     for (int j = 0; j < dv; ++j) o[j] = 0;
     for (int i = 0; i < dk; ++i)
@@ -126,6 +127,32 @@ void deltanet_chunked(const DeltaNetHeadIO& io, float* S, int chunk_size) {
   }
 }
 
+namespace {
+
+// The delta rule of every value head over T tokens of conv outputs (q, k
+// normalised) with their g and beta; out null: state only.
+void deltanet_heads(ThreadPool& pool, int T, int nk, int nv, int dk, int dv, const float* conv, const float* g,
+                    const float* beta, float* state, float* out, bool recurrent) {
+  const int C = 2 * nk * dk + nv * dv;
+  const int ratio = nv / nk;
+  pool.parallel_for(nv, 1, [&](size_t h0, size_t h1) {
+    for (size_t h = h0; h < h1; ++h) {
+      const int kh = static_cast<int>(h) / ratio;
+      DeltaNetHeadIO head{&conv[kh * dk], static_cast<size_t>(C),
+                          &conv[nk * dk + kh * dk], static_cast<size_t>(C),
+                          &conv[2 * nk * dk + h * dv], static_cast<size_t>(C),
+                          &g[h], &beta[h], static_cast<size_t>(nv),
+                          out ? &out[h * dv] : nullptr, static_cast<size_t>(nv * dv),
+                          T, dk, dv};
+      float* S = &state[h * dk * dv];
+      if (T == 1 || recurrent) deltanet_recurrent(head, S);
+      else deltanet_chunked(head, S, 64);
+    }
+  });
+}
+
+}  // namespace
+
 void deltanet_layer(ThreadPool& pool, const DeltaNetLayerIO& io) {
   const int T = io.T, nk = io.nk, nv = io.nv, dk = io.dk, dv = io.dv, K = io.K;
   const int C = 2 * nk * dk + nv * dv, keep = K - 1;
@@ -161,21 +188,29 @@ void deltanet_layer(ThreadPool& pool, const DeltaNetLayerIO& io) {
       g[i] = -std::exp(io.a_log[h]) * softplus(io.a[i] + io.dt_bias[h]);
     }
   }
-  const int ratio = nv / nk;
-  pool.parallel_for(nv, 1, [&](size_t h0, size_t h1) {
-    for (size_t h = h0; h < h1; ++h) {
-      const int kh = static_cast<int>(h) / ratio;
-      DeltaNetHeadIO head{&conv[kh * dk], static_cast<size_t>(C),
-                          &conv[nk * dk + kh * dk], static_cast<size_t>(C),
-                          &conv[2 * nk * dk + h * dv], static_cast<size_t>(C),
-                          &g[h], &beta[h], static_cast<size_t>(nv),
-                          &io.out[h * dv], static_cast<size_t>(nv * dv),
-                          T, dk, dv};
-      float* state = &io.state[h * dk * dv];
-      if (T == 1) deltanet_recurrent(head, state);
-      else deltanet_chunked(head, state, 64);
-    }
-  });
+  const bool record = io.rec_qkv != nullptr;
+  if (record) {
+    std::copy(conv.begin(), conv.end(), io.rec_qkv);
+    std::copy(g.begin(), g.end(), io.rec_g);
+    std::copy(beta.begin(), beta.end(), io.rec_beta);
+  }
+  deltanet_heads(pool, T, nk, nv, dk, dv, conv.data(), g.data(), beta.data(), io.state, io.out, record);
+}
+
+void deltanet_replay(ThreadPool& pool, const DeltaNetReplayIO& io) {
+  const int n = io.n, keep = io.K - 1;
+  const int C = 2 * io.nk * io.dk + io.nv * io.dv;
+  if (n <= 0) return;
+  // The carried conv inputs: the last K-1 of [carried | the n inputs].
+  std::vector<float> window(static_cast<size_t>(keep + n));
+  for (int ch = 0; ch < C; ++ch) {
+    float* st = &io.conv_state[static_cast<size_t>(ch) * keep];
+    for (int j = 0; j < keep; ++j) window[j] = st[j];
+    for (int t = 0; t < n; ++t) window[keep + t] = io.qkv_in[static_cast<size_t>(t) * C + ch];
+    for (int j = 0; j < keep; ++j) st[j] = window[n + j];
+  }
+  deltanet_heads(pool, n, io.nk, io.nv, io.dk, io.dv, io.rec_qkv, io.rec_g, io.rec_beta, io.state, nullptr,
+                 true);
 }
 
 }  // namespace lily::cpu

@@ -72,7 +72,8 @@ float softplus(float x);  // torch semantics: x for x > 20
 
 // Gated DeltaNet over one value head. q, k: [T][dk] (q already scaled and
 // both L2-normalised), v: [T][dv], g (log-decay) and beta: [T]; state:
-// [dk][dv], updated in place; out: [T][dv]. Strides in floats between tokens.
+// [dk][dv], updated in place; out: [T][dv] (deltanet_recurrent: null for
+// the state update alone). Strides in floats between tokens.
 struct DeltaNetHeadIO {
   const float* q; size_t q_stride;
   const float* k; size_t k_stride;
@@ -102,7 +103,30 @@ struct DeltaNetLayerIO {
   float* conv_state;     // [C][K-1] (updated)
   float* state;          // [nv][dk][dv] (updated)
   float* out;            // [T][nv dv]
+  // Speculative runs: the recurrent form for every token (as T decode
+  // steps) and the per-token values deltanet_replay needs written here:
+  // rec_qkv [T][C] (after the conv, SiLU and the L2 norms), rec_g and
+  // rec_beta [T][nv]. Null: not recorded.
+  float* rec_qkv = nullptr;
+  float* rec_g = nullptr;
+  float* rec_beta = nullptr;
 };
 void deltanet_layer(ThreadPool& pool, const DeltaNetLayerIO& io);
+
+// Brings a layer from its state before a recorded run (conv_state, state as
+// they were) to its state after the run's first n tokens: the conv inputs
+// advance by qkv_in's first n rows (the run's in_proj outputs, [T][C]) and
+// the delta rule replays rec_* of deltanet_layer for those tokens without
+// computing outputs. The same arithmetic as the run, so the same bits.
+struct DeltaNetReplayIO {
+  int n, nk, nv, dk, dv, K;
+  const float* qkv_in;  // [n][C]
+  const float* rec_qkv;
+  const float* rec_g;
+  const float* rec_beta;
+  float* conv_state;  // [C][K-1] (updated)
+  float* state;       // [nv][dk][dv] (updated)
+};
+void deltanet_replay(ThreadPool& pool, const DeltaNetReplayIO& io);
 
 }  // namespace lily::cpu
