@@ -406,6 +406,38 @@ TEST(CudaModel, CacheCopiesAndTruncation) {
   }
 }
 
+// Speculative draft runs on the GPU (the Backend default: a copy of the
+// state before the run, the kept tokens run again where some are dropped):
+// the rows and the continuation after keeping n tokens are the decode
+// steps' (this backend's multi-token forward runs the decode step per token
+// here, so the same bits).
+TEST(CudaModel, DraftRunsKeepPrefixes) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (const char* fixture : {"qwen3_5_moe", "qwen3"}) {
+    SCOPED_TRACE(fixture);
+    auto ref = load_reference(fixture, "long");
+    Backend& g = cuda_backend_for(fixture, cuda::KvType::BF16);
+    const int V = ref.vocab;
+    std::span<const int> p(ref.prompt);
+    std::vector<float> s(V), rows(5 * V), want(5 * V), got(V), next(V);
+    for (int keep : {1, 3, 5}) {
+      auto a = g.new_cache(4096), b = g.new_cache(4096);
+      g.forward(*a, p.subspan(0, 30), LogitsMode::LastOnly, s.data());
+      g.forward(*b, p.subspan(0, 30), LogitsMode::LastOnly, s.data());
+      g.forward_draft(*a, p.subspan(30, 5), rows.data());
+      for (int t = 0; t < 5; ++t) g.forward(*b, p.subspan(30 + t, 1), LogitsMode::LastOnly, &want[t * V]);
+      EXPECT_EQ(rows, want) << "rows";
+      g.accept_draft(*a, keep);
+      EXPECT_EQ(a->n_past(), 30 + keep);
+      auto c = g.new_cache(4096);
+      g.forward(*c, p.subspan(0, 30 + keep), LogitsMode::LastOnly, s.data());
+      g.forward(*a, p.subspan(40, 1), LogitsMode::LastOnly, got.data());
+      g.forward(*c, p.subspan(40, 1), LogitsMode::LastOnly, next.data());
+      EXPECT_EQ(got, next) << "kept " << keep;
+    }
+  }
+}
+
 // The step trace (lily bench --trace): one entry per launch of the step, in
 // order, each with blocks whose marks are ordered in time.
 TEST(CudaModel, StepTraceCoversEveryLaunch) {

@@ -1404,5 +1404,84 @@ TEST(ServerHttp, ServesErrorsAndCompletions) {
   th.join();
 }
 
+// A server drafting by prompt lookup answers as the engine does without
+// drafts: the reference reply, and a reply whose logit_bias makes the tiny
+// model loop (where drafts are found and taken), streamed and not; /metrics
+// counts the drafts.
+TEST(ServerHttp, SpeculativeServerAnswersAsWithoutDrafts) {
+  Tiny& t = tiny();
+  ServerOptions o;
+  o.port = 0;
+  o.limits.context = 256;
+  o.log_requests = false;
+  o.speculative_tokens = 6;
+  Server srv(t.model, o);
+  const int port = srv.bind();
+  std::thread th([&] { srv.run(); });
+  struct Stop {
+    Server& srv;
+    std::thread& th;
+    ~Stop() {
+      srv.stop();
+      th.join();
+    }
+  } stop{srv, th};
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_read_timeout(30, 0);
+
+  const std::string good =
+      R"({"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "temperature": 0, "max_tokens": 24})";
+  auto ok = cli.Post("/v1/chat/completions", good, "application/json");
+  ASSERT_TRUE(ok);
+  ASSERT_EQ(ok->status, 200) << ok->body;
+  EXPECT_EQ(ojson::parse(ok->body)["choices"][0]["message"]["content"], t.reference_text);
+
+  // Tokens of " the sea." favoured: the reply loops over them.
+  std::vector<int> favour = t.model.tokenizer->encode(" the sea.", false);
+  std::sort(favour.begin(), favour.end());
+  favour.erase(std::unique(favour.begin(), favour.end()), favour.end());
+  ojson loop = ojson::parse(R"({"prompt": "the sea, the sea. the sea", "temperature": 0, "max_tokens": 48})");
+  for (int id : favour) loop["logit_bias"][std::to_string(id)] = 4;
+  engine::Generator plain(*t.model.backend, *t.model.tokenizer, 256);
+  engine::GenerationParams p = greedy(t.model.tokenizer->encode("the sea, the sea. the sea", false), 48);
+  for (int id : favour) p.sampling.logit_bias.push_back({id, 4.f});
+  const Collected want = run(plain, p);
+  auto r = cli.Post("/v1/completions", loop.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  EXPECT_EQ(ojson::parse(r->body)["choices"][0]["text"], want.text);
+  loop["stream"] = true;
+  std::string sse;
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.set_header("Content-Type", "application/json");
+  req.body = loop.dump();
+  req.content_receiver = [&](const char* d, size_t n, uint64_t, uint64_t) {
+    sse.append(d, n);
+    return true;
+  };
+  auto sr = cli.send(req);
+  ASSERT_TRUE(sr);
+  std::string streamed;
+  for (const std::string& payload : sse_payloads(sse)) {
+    if (payload == "[DONE]") continue;
+    ojson c = ojson::parse(payload);
+    if (!c["choices"].empty()) streamed += c["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(streamed, want.text);
+
+  auto metrics = cli.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  const std::string& m = metrics->body;
+  auto value = [&](const std::string& name) {
+    const size_t at = m.find("\n" + name + " ");
+    return at == std::string::npos ? -1.0 : std::stod(m.substr(at + name.size() + 2));
+  };
+  EXPECT_GT(value("lily_draft_tokens_total"), 0) << m;
+  EXPECT_GT(value("lily_draft_accepted_tokens_total"), 0) << m;
+  EXPECT_LE(value("lily_draft_accepted_tokens_total"), value("lily_draft_tokens_total"));
+}
+
 }  // namespace
 }  // namespace lily::server

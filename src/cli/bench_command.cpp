@@ -583,6 +583,70 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   return j;
 }
 
+// What a speculative draft run costs against a decode step, per context:
+// forward_draft of T tokens (the token fed and T - 1 drafts) settled by
+// accept_draft keeping all of them, and keeping only the first (the cost of
+// a rejected draft: the DeltaNet state replayed or recomputed). A run that
+// yields 1 + a tokens (a drafts matched) pays when 1 + a exceeds its cost
+// in decode steps. Runs and steps alternate; medians.
+nlohmann::ordered_json bench_draft(std::unique_ptr<ModelWeights> w, const Setup& s, const std::vector<int>& runs,
+                                   int threads, const std::string& kv) {
+  BackendOptions opt;
+  opt.kind = s.backend;
+  opt.threads = threads;
+  opt.kv_cache = kv;
+  auto b = make_backend(std::move(w), opt);
+  const int V = b->config().vocab_size;
+  nlohmann::ordered_json j;
+  j["model"] = s.model_desc;
+  j["backend"] = b->name();
+  j["method"] = "forward_draft of T random tokens + accept_draft(T) or (1), against a 1-token forward; medians of "
+                "alternating repeats after a prefill of ctx random tokens";
+  j["max_draft_run"] = b->max_draft_run();
+  std::printf("draft runs: backend %s (max run %d), %s\n\n", b->name().c_str(), b->max_draft_run(),
+              s.model_desc.c_str());
+  std::printf("%8s %4s %10s %12s %8s %12s %8s\n", "ctx", "T", "step ms", "run+keep all", "x step", "run+keep 1",
+              "x step");
+  std::mt19937 rng(static_cast<uint32_t>(s.seed));
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  int max_run = 1;
+  for (int T : runs) max_run = std::max(max_run, T);
+  for (int ctx : s.ctxs) {
+    auto cache = b->new_cache(ctx + (s.warmup + s.repeats) * (2 * max_run + 2) * static_cast<int>(runs.size()) + 8);
+    std::vector<float> logits(static_cast<size_t>(max_run) * V);
+    forward_ms(*b, *cache, random_prompt(rng, std::max(ctx, 1), V), logits.data());
+    for (int T : runs) {
+      std::vector<double> step, all, one;
+      for (int r = 0; r < s.warmup + s.repeats; ++r) {
+        const std::vector<int> t1 = random_prompt(rng, 1, V), run = random_prompt(rng, T, V);
+        const double st = forward_ms(*b, *cache, t1, logits.data());
+        auto timed = [&](int keep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          b->forward_draft(*cache, run, logits.data());
+          b->accept_draft(*cache, keep);
+          return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        };
+        const double a = timed(T), o = timed(1);
+        if (r < s.warmup) continue;
+        step.push_back(st);
+        all.push_back(a);
+        one.push_back(o);
+      }
+      const double ms = median(step), ma = median(all), mo = median(one);
+      std::printf("%8d %4d %10.3f %12.3f %8.2f %12.3f %8.2f\n", ctx, T, ms, ma, ma / ms, mo, mo / ms);
+      rows.push_back({{"ctx", ctx},
+                      {"run_tokens", T},
+                      {"step_ms", ms},
+                      {"run_keep_all_ms", ma},
+                      {"run_keep_one_ms", mo},
+                      {"keep_all_steps", ma / ms},
+                      {"keep_one_steps", mo / ms}});
+    }
+  }
+  j["results"] = rows;
+  return j;
+}
+
 nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup& s, const std::vector<int>& preambles,
                                    int suffix, int requests, int threads, const std::string& kv) {
   BackendOptions opt;
@@ -652,7 +716,7 @@ nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup&
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
-          "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests"},
+          "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft"},
          {"--profile", "--trace", "--handover"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
@@ -677,7 +741,12 @@ int cmd_bench(int argc, char** argv) {
     s.model_desc = a.str("--model");
   }
   nlohmann::ordered_json j;
-  if (a.has("--reuse")) {
+  if (a.has("--draft")) {
+    std::vector<int> runs = parse_int_list(a.str("--draft"), "--draft");
+    for (int T : runs)
+      if (T < 1 || T > 64) fail("--draft: run lengths are 1..64 (got ", T, ")");
+    j = bench_draft(std::move(w), s, runs, static_cast<int>(a.integer("--threads", 0, 0, 1024)), a.str("--kv"));
+  } else if (a.has("--reuse")) {
     j = bench_reuse(std::move(w), s, parse_int_list(a.str("--reuse"), "--reuse"),
                     static_cast<int>(a.integer("--reuse-suffix", 32, 1, 1 << 20)),
                     static_cast<int>(a.integer("--reuse-requests", 5, 2, 1000)),

@@ -21,7 +21,7 @@ int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--host", "--port", "--api-key", "--ctx", "--max-body",
           "--max-tokens-limit", "--backend", "--threads", "--kv-cache", "--quantize", "--http-threads", "--max-queue",
-          "--stream-buffer", "--prefix-cache", "--prefix-cache-entries"},
+          "--stream-buffer", "--prefix-cache", "--prefix-cache-entries", "--speculative"},
          {"--quiet"});
   auto say = [](const std::string& s) {
     std::fprintf(stderr, "lily serve: %s\n", s.c_str());
@@ -43,6 +43,7 @@ int cmd_serve(int argc, char** argv) {
   so.stream_buffer = static_cast<size_t>(a.integer("--stream-buffer", 1024, 16, 1 << 24));
   so.prefix_cache_bytes = static_cast<size_t>(a.integer("--prefix-cache", 1024, 0, 1 << 24)) << 20;
   so.prefix_cache_entries = static_cast<int>(a.integer("--prefix-cache-entries", 32, 0, 4096));
+  so.speculative_tokens = static_cast<int>(a.integer("--speculative", so.speculative_tokens, 0, 16));
   so.log_requests = !a.has("--quiet");
 
   // Signals go to one watcher thread: block them before any thread starts.

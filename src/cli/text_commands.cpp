@@ -87,6 +87,7 @@ struct ChatSession {
       sampling.has_seed = true;
     }
     system = a.str("--system");
+    generator.speculative_tokens = static_cast<int>(a.integer("--speculative", 0, 0, 16));
     thinking = !a.has("--no-think");
     if (a.has("--json-schema")) {
       const std::string path = a.str("--json-schema");
@@ -150,7 +151,8 @@ int context_for(const server::ServedModel& m, const Args& a) {
 }
 
 const std::set<std::string> kGenFlags = {"--max-tokens", "--temperature", "--top-p", "--top-k",
-                                         "--seed", "--system", "--ctx", "--json-schema"};
+                                         "--seed", "--system", "--ctx", "--json-schema",
+                                         "--speculative"};
 
 }  // namespace
 

@@ -126,6 +126,12 @@ std::string Metrics::render() const {
   metric(out, "lily_prefix_cache_evictions_total", "counter",
          "Kept model states dropped to stay within the prefix cache's limits.",
          static_cast<double>(prefix_cache_evictions.load()));
+  metric(out, "lily_draft_tokens_total", "counter",
+         "Tokens drafted by prompt lookup and run through the model (speculative decoding).",
+         static_cast<double>(drafted_.load()));
+  metric(out, "lily_draft_accepted_tokens_total", "counter",
+         "Drafted tokens the output took (each saved a decode step).",
+         static_cast<double>(accepted_.load()));
   header(out, "lily_time_to_first_token_seconds", "histogram",
          "From the request reaching the engine queue to its first generated token.");
   ttft_.render(out, "lily_time_to_first_token_seconds");

@@ -36,6 +36,11 @@ class Metrics {
   // One finished generation.
   void count_generation(int prompt_tokens, int cached_tokens, int completion_tokens,
                         double ttft_seconds, double decode_seconds, bool cancelled);
+  // Speculative decoding: tokens drafted and run, and those the output took.
+  void count_drafts(int drafted, int accepted) {
+    drafted_ += static_cast<uint64_t>(drafted);
+    accepted_ += static_cast<uint64_t>(accepted);
+  }
 
   std::atomic<int> queue_depth{0};   // jobs waiting for the engine
   std::atomic<int> running{0};       // jobs the engine is running (0 or 1)
@@ -50,6 +55,7 @@ class Metrics {
   std::map<std::pair<std::string, int>, uint64_t> requests_;  // (route, status)
   std::atomic<uint64_t> prompt_tokens_{0}, cached_tokens_{0}, generated_tokens_{0};
   std::atomic<uint64_t> generations_{0}, cancelled_{0}, prefix_hits_{0}, prefix_lookups_{0};
+  std::atomic<uint64_t> drafted_{0}, accepted_{0};
   // Decode time and tokens, for an overall rate.
   std::atomic<uint64_t> decode_micros_{0}, decode_tokens_{0};
   Histogram ttft_;

@@ -144,6 +144,7 @@ void Scheduler::run_job(Job& job) {
     metrics_.count_generation(r.prompt_tokens, r.cached_tokens, r.completion_tokens,
                               waited + r.prefill_seconds, r.decode_seconds,
                               r.finish == engine::FinishReason::Cancelled);
+    metrics_.count_drafts(r.draft_tokens, r.accepted_tokens);
   } catch (const lily::Error& e) {
     done.kind = JobEvent::Kind::Error;
     done.error_status = 400;

@@ -27,7 +27,7 @@ using Clock = std::chrono::steady_clock;
 struct RequestStats {
   Clock::time_point start{};
   bool generation = false;
-  int prompt = 0, cached = 0, completion = 0;
+  int prompt = 0, cached = 0, completion = 0, drafted = 0, accepted = 0;
   double ttft = -1, tok_per_s = -1;
   std::string finish;
 };
@@ -40,6 +40,8 @@ void record_stats(const Builder& b) {
   tl_stats.prompt = r.prompt_tokens;
   tl_stats.cached = r.cached_tokens;
   tl_stats.completion = r.completion_tokens;
+  tl_stats.drafted = r.draft_tokens;
+  tl_stats.accepted = r.accepted_tokens;
   if (r.completion_tokens > 0) tl_stats.ttft = b.queue_seconds() + r.prefill_seconds;
   if (r.completion_tokens > 1 && r.decode_seconds > 0)
     tl_stats.tok_per_s = (r.completion_tokens - 1) / r.decode_seconds;
@@ -60,6 +62,7 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
 // The generator with the server's limits, before the engine thread starts.
 engine::Generator& configured(engine::Generator& g, const ServerOptions& o) {
   g.set_prefix_cache(o.prefix_cache_bytes, o.prefix_cache_entries);
+  g.speculative_tokens = o.speculative_tokens;
   return g;
 }
 
@@ -429,11 +432,13 @@ void Server::Impl::log_request(const httplib::Request& req, const httplib::Respo
       char ttft[32] = "-", tps[32] = "-";
       if (s.ttft >= 0) std::snprintf(ttft, sizeof ttft, "%.1fms", s.ttft * 1e3);
       if (s.tok_per_s >= 0) std::snprintf(tps, sizeof tps, "%.1f", s.tok_per_s);
+      char draft[48] = "";
+      if (s.drafted > 0) std::snprintf(draft, sizeof draft, " drafts=%d/%d", s.accepted, s.drafted);
       std::snprintf(line, sizeof line,
-                    "%s %s %d prompt=%d cached=%d completion=%d ttft=%s tok/s=%s finish=%s "
+                    "%s %s %d prompt=%d cached=%d completion=%d ttft=%s tok/s=%s%s finish=%s "
                     "time=%.1fms",
                     req.method.c_str(), req.path.c_str(), res.status, s.prompt, s.cached,
-                    s.completion, ttft, tps, s.finish.c_str(), total * 1e3);
+                    s.completion, ttft, tps, draft, s.finish.c_str(), total * 1e3);
     } else {
       std::snprintf(line, sizeof line,
                     "%s %s %d prompt=- cached=- completion=- ttft=- tok/s=- time=%.1fms",

@@ -30,6 +30,9 @@ struct ServerOptions {
   // only the live conversation.
   size_t prefix_cache_bytes = size_t{1} << 30;
   int prefix_cache_entries = 32;
+  // Speculative decoding by prompt lookup (engine::Generator): the most
+  // tokens drafted per step; 0: off.
+  int speculative_tokens = 0;
   Limits limits;
   bool log_requests = true;  // one line per request on stderr
 };
