@@ -33,19 +33,31 @@ struct RequestStats {
 };
 thread_local RequestStats tl_stats;
 
-template <class Builder>
-void record_stats(const Builder& b) {
-  const auto& r = b.result();
+// The request's choices (n > 1: one builder each): the first's prompt and
+// time to its first token, every choice's tokens; the decode rate over the
+// choices' decode time, as they run one after another.
+template <class Builders>
+void record_stats(const Builders& builders) {
+  const auto& first = builders[0]->result();
   tl_stats.generation = true;
-  tl_stats.prompt = r.prompt_tokens;
-  tl_stats.cached = r.cached_tokens;
-  tl_stats.completion = r.completion_tokens;
-  tl_stats.drafted = r.draft_tokens;
-  tl_stats.accepted = r.accepted_tokens;
-  if (r.completion_tokens > 0) tl_stats.ttft = b.queue_seconds() + r.prefill_seconds;
-  if (r.completion_tokens > 1 && r.decode_seconds > 0)
-    tl_stats.tok_per_s = (r.completion_tokens - 1) / r.decode_seconds;
-  tl_stats.finish = engine::finish_reason_name(r.finish);
+  tl_stats.prompt = first.prompt_tokens;
+  tl_stats.cached = first.cached_tokens;
+  tl_stats.completion = tl_stats.drafted = tl_stats.accepted = 0;
+  int decoded = 0;
+  double decode_s = 0;
+  for (const auto& b : builders) {
+    const auto& r = b->result();
+    tl_stats.completion += r.completion_tokens;
+    tl_stats.drafted += r.draft_tokens;
+    tl_stats.accepted += r.accepted_tokens;
+    if (r.completion_tokens > 1 && r.decode_seconds > 0) {
+      decoded += r.completion_tokens - 1;
+      decode_s += r.decode_seconds;
+    }
+  }
+  if (first.completion_tokens > 0) tl_stats.ttft = builders[0]->queue_seconds() + first.prefill_seconds;
+  if (decoded > 0) tl_stats.tok_per_s = decoded / decode_s;
+  tl_stats.finish = engine::finish_reason_name(first.finish);
 }
 
 bool constant_time_equal(const std::string& a, const std::string& b) {
@@ -238,7 +250,7 @@ void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared
       for (const auto& b : builders)
         if (b->failed()) b->body();  // throws its error
     }
-    record_stats(*builders[0]);
+    record_stats(builders);
     ojson body = builders[0]->body();  // may throw ApiError
     for (size_t i = 1; i < builders.size(); ++i) body["choices"].push_back(builders[i]->body()["choices"][0]);
     if (builders.size() > 1) body["usage"] = usage();
@@ -286,7 +298,7 @@ void Server::Impl::respond(httplib::Response& res, const std::vector<std::shared
         if (end) {
           if (failed) cancel_all();
           st->finished = true;
-          record_stats(*builders[0]);
+          record_stats(builders);
           sink.done();
         }
         return true;
