@@ -118,6 +118,95 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AffineMatmul,
                                            std::make_tuple(8, 13, 256, 7, 128), std::make_tuple(4, 3, 48, 2, 16),
                                            std::make_tuple(4, 9, 40, 6, 8)));
 
+// --- 8-bit inputs (ActPrecision::Q8, AVX-512 VNNI) ---------------------------
+
+TEST(Q8, QuantizeRoundsPerGroup) {
+  auto x = random_floats(200, 5, 3.f);
+  std::fill(x.begin() + 100, x.begin() + 150, 0.f);  // an all-zero group
+  std::vector<int8_t> q(200);
+  std::vector<float> sc(4);
+  cpu::quantize_q8(x.data(), 200, 50, q.data(), sc.data());
+  EXPECT_EQ(sc[2], 0.f);
+  for (int g = 0; g < 4; ++g) {
+    int top = 0;
+    for (int i = 0; i < 50; ++i) {
+      const float v = x[g * 50 + i];
+      const int c = q[g * 50 + i];
+      ASSERT_LE(std::abs(c), 127);
+      ASSERT_LE(std::fabs(v - c * sc[g]), sc[g] * 0.5f * (1 + 1e-5f)) << g << "," << i;
+      top = std::max(top, std::abs(c));
+    }
+    EXPECT_EQ(top, g == 2 ? 0 : 127);
+  }
+}
+
+class Q8Matmul : public ::testing::TestWithParam<std::tuple<int, int, int, int, int>> {};
+
+// The VNNI kernel against the same arithmetic in double: the weights' codes
+// times the inputs' int8 codes, scaled per group, plus bias x the f32 group
+// sum; and against the f32 product within the inputs' rounding.
+TEST_P(Q8Matmul, MatchesQuantizedReference) {
+  auto [bits, rows, cols, T, group] = GetParam();
+  if (!cpu::q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  AffineMatrix a(rows, cols, bits, group, 31u + bits + rows);
+  ASSERT_TRUE(cpu::q8_fits(a.m));
+  ThreadPool pool(3);
+  auto x = random_floats(size_t(T) * cols, 13);
+  for (size_t i = 0; i < x.size(); ++i) x[i] += 0.5f * ((i / 7) % 3 == 0);
+  const int groups = cols / group;
+  std::vector<int8_t> xq(size_t(T) * cols);
+  std::vector<float> xs(size_t(T) * groups);
+  for (int t = 0; t < T; ++t) cpu::quantize_q8(&x[size_t(t) * cols], cols, group, &xq[size_t(t) * cols], &xs[size_t(t) * groups]);
+  std::vector<float> y(size_t(T) * rows), yf(y.size());
+  cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows, cpu::ActPrecision::Q8);
+  cpu::matmul(pool, a.m, x.data(), T, cols, yf.data(), rows, cpu::ActPrecision::F32);
+  const int per_word = 32 / bits;
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < rows; ++r) {
+      double want = 0, bound = 0;
+      for (int g = 0; g < groups; ++g) {
+        const double sc = bf16_to_f32(a.scales[size_t(r) * groups + g]);
+        const double bias = bf16_to_f32(a.biases[size_t(r) * groups + g]);
+        double dot = 0, sum = 0, mag = 0;
+        for (int c = g * group; c < (g + 1) * group; ++c) {
+          const size_t flat = size_t(r) * cols + c;
+          const double q = (a.codes[flat / per_word] >> (bits * (flat % per_word))) & ((1u << bits) - 1);
+          dot += q * xq[size_t(t) * cols + c];
+          sum += x[size_t(t) * cols + c];
+          mag += sc * q;
+        }
+        want += sc * xs[size_t(t) * groups + g] * dot + bias * sum;
+        bound += mag * xs[size_t(t) * groups + g] * 0.5;  // each input off by at most half a step
+      }
+      const float got = y[size_t(t) * rows + r];
+      ASSERT_NEAR(got, want, 2e-5 * (1 + std::fabs(want))) << "row " << r << " input " << t;
+      ASSERT_LE(std::fabs(got - yf[size_t(t) * rows + r]), bound * 1.001 + 1e-4) << "row " << r << " input " << t;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Q8Matmul,
+                         ::testing::Values(std::make_tuple(4, 37, 256, 1, 64), std::make_tuple(4, 5, 128, 3, 32),
+                                           std::make_tuple(4, 19, 384, 5, 128), std::make_tuple(4, 7, 512, 9, 256),
+                                           std::make_tuple(4, 3, 128, 2, 16), std::make_tuple(8, 29, 320, 2, 64),
+                                           std::make_tuple(8, 1, 64, 7, 16), std::make_tuple(8, 13, 256, 4, 128),
+                                           std::make_tuple(8, 11, 192, 6, 32)));
+
+// Matrices the 8-bit kernel cannot tile, and unquantized ones, run the f32
+// kernels: the same bits as asking for f32.
+TEST(Q8, OtherLayoutsRunTheF32Kernels) {
+  ThreadPool pool(2);
+  for (auto [bits, cols, group] : {std::tuple{4, 192, 64}, std::tuple{4, 96, 32}, std::tuple{8, 96, 32},
+                                   std::tuple{4, 40, 8}}) {
+    AffineMatrix a(9, cols, bits, group, 3);
+    EXPECT_FALSE(cpu::q8_fits(a.m)) << bits << "/" << cols << "/" << group;
+    auto x = random_floats(size_t(3) * cols, 17);
+    std::vector<float> y(27), yf(27);
+    cpu::matmul(pool, a.m, x.data(), 3, cols, y.data(), 9, cpu::ActPrecision::Q8);
+    cpu::matmul(pool, a.m, x.data(), 3, cols, yf.data(), 9, cpu::ActPrecision::F32);
+    EXPECT_EQ(y, yf);
+  }
+}
+
 // The SIMD path's row results do not depend on the number of threads, and
 // it reads weights at any byte offset (tensors in a file need no alignment).
 TEST(Matmul, SameBitsForAnyThreadCountAndAlignment) {
