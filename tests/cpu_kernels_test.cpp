@@ -121,22 +121,24 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AffineMatmul,
 // --- 8-bit inputs (ActPrecision::Q8, AVX-512 VNNI) ---------------------------
 
 TEST(Q8, QuantizeRoundsPerGroup) {
-  auto x = random_floats(200, 5, 3.f);
-  std::fill(x.begin() + 100, x.begin() + 150, 0.f);  // an all-zero group
-  std::vector<int8_t> q(200);
-  std::vector<float> sc(4);
-  cpu::quantize_q8(x.data(), 200, 50, q.data(), sc.data());
-  EXPECT_EQ(sc[2], 0.f);
-  for (int g = 0; g < 4; ++g) {
-    int top = 0;
-    for (int i = 0; i < 50; ++i) {
-      const float v = x[g * 50 + i];
-      const int c = q[g * 50 + i];
-      ASSERT_LE(std::abs(c), 127);
-      ASSERT_LE(std::fabs(v - c * sc[g]), sc[g] * 0.5f * (1 + 1e-5f)) << g << "," << i;
-      top = std::max(top, std::abs(c));
+  for (int max_code : {127, cpu::kMaxCode16}) {
+    auto x = random_floats(200, 5, 3.f);
+    std::fill(x.begin() + 100, x.begin() + 150, 0.f);  // an all-zero group
+    std::vector<int32_t> q(200);
+    std::vector<float> sc(4);
+    cpu::quantize_inputs(x.data(), 200, 50, max_code, q.data(), sc.data());
+    EXPECT_EQ(sc[2], 0.f);
+    for (int g = 0; g < 4; ++g) {
+      int top = 0;
+      for (int i = 0; i < 50; ++i) {
+        const float v = x[g * 50 + i];
+        const int c = q[g * 50 + i];
+        ASSERT_LE(std::abs(c), max_code);
+        ASSERT_LE(std::fabs(v - c * sc[g]), sc[g] * 0.5f * (1 + 1e-3f) + 1e-7f) << g << "," << i;
+        top = std::max(top, std::abs(c));
+      }
+      EXPECT_EQ(top, g == 2 ? 0 : max_code);
     }
-    EXPECT_EQ(top, g == 2 ? 0 : 127);
   }
 }
 
@@ -154,12 +156,17 @@ TEST_P(Q8Matmul, MatchesQuantizedReference) {
   auto x = random_floats(size_t(T) * cols, 13);
   for (size_t i = 0; i < x.size(); ++i) x[i] += 0.5f * ((i / 7) % 3 == 0);
   const int groups = cols / group;
-  std::vector<int8_t> xq(size_t(T) * cols);
-  std::vector<float> xs(size_t(T) * groups);
-  for (int t = 0; t < T; ++t) cpu::quantize_q8(&x[size_t(t) * cols], cols, group, &xq[size_t(t) * cols], &xs[size_t(t) * groups]);
-  std::vector<float> y(size_t(T) * rows), yf(y.size());
-  cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows, cpu::ActPrecision::Q8);
+  std::vector<float> yf(size_t(T) * rows);
   cpu::matmul(pool, a.m, x.data(), T, cols, yf.data(), rows, cpu::ActPrecision::F32);
+  for (auto act : {cpu::ActPrecision::Q8, cpu::ActPrecision::Q16}) {
+  SCOPED_TRACE(act == cpu::ActPrecision::Q8 ? "q8" : "q16");
+  std::vector<int32_t> xq(size_t(T) * cols);
+  std::vector<float> xs(size_t(T) * groups);
+  for (int t = 0; t < T; ++t)
+    cpu::quantize_inputs(&x[size_t(t) * cols], cols, group, act == cpu::ActPrecision::Q8 ? 127 : cpu::kMaxCode16,
+                         &xq[size_t(t) * cols], &xs[size_t(t) * groups]);
+  std::vector<float> y(size_t(T) * rows);
+  cpu::matmul(pool, a.m, x.data(), T, cols, y.data(), rows, act);
   const int per_word = 32 / bits;
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < rows; ++r) {
@@ -182,6 +189,7 @@ TEST_P(Q8Matmul, MatchesQuantizedReference) {
       ASSERT_NEAR(got, want, 2e-5 * (1 + std::fabs(want))) << "row " << r << " input " << t;
       ASSERT_LE(std::fabs(got - yf[size_t(t) * rows + r]), bound * 1.001 + 1e-4) << "row " << r << " input " << t;
     }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Q8Matmul,
@@ -201,9 +209,11 @@ TEST(Q8, OtherLayoutsRunTheF32Kernels) {
     EXPECT_FALSE(cpu::q8_fits(a.m)) << bits << "/" << cols << "/" << group;
     auto x = random_floats(size_t(3) * cols, 17);
     std::vector<float> y(27), yf(27);
-    cpu::matmul(pool, a.m, x.data(), 3, cols, y.data(), 9, cpu::ActPrecision::Q8);
     cpu::matmul(pool, a.m, x.data(), 3, cols, yf.data(), 9, cpu::ActPrecision::F32);
-    EXPECT_EQ(y, yf);
+    for (auto act : {cpu::ActPrecision::Q8, cpu::ActPrecision::Q16}) {
+      cpu::matmul(pool, a.m, x.data(), 3, cols, y.data(), 9, act);
+      EXPECT_EQ(y, yf);
+    }
   }
 }
 

@@ -69,7 +69,11 @@ Backend& cuda_backend_for(const std::string& fixture, cuda::KvType kv, int dn_in
 Backend& cpu_backend_for(const std::string& fixture) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
   auto& b = cache[fixture];
-  if (!b) b = make_backend(load_model(fixture_dir(fixture)), BackendOptions{});
+  if (!b) {
+    BackendOptions o;
+    o.cpu_act = "f32";  // the reference
+    b = make_backend(load_model(fixture_dir(fixture)), o);
+  }
   return *b;
 }
 

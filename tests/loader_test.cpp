@@ -181,7 +181,9 @@ TEST(Loader, MissingDirectoryNamesThePath) {
 // Reference prefill logits through a converted checkpoint.
 void expect_matches_reference(const std::string& dir, const std::string& fixture) {
   auto ref = test::load_reference(fixture, "short");
-  auto backend = make_backend(load_model(dir), BackendOptions{});
+  BackendOptions o;
+  o.cpu_act = "f32";
+  auto backend = make_backend(load_model(dir), o);
   Sequence seq(*backend, 64);
   auto logits = seq.append(ref.prompt, LogitsMode::All);
   ASSERT_EQ(logits.size(), ref.prefill_logits.size());

@@ -80,6 +80,7 @@ Backend& backend_for(const std::string& fixture) {
   if (!b) {
     BackendOptions o;
     o.threads = 2;
+    o.cpu_act = "f32";  // rows against steps to f32 rounding
     b = make_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;

@@ -83,7 +83,7 @@ std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
   if (kind == "cpu") {
     if (!kv.empty() && kv != "f32" && options.kind == "cpu")
       fail("KV cache type '", kv, "': the cpu backend keeps an f32 KV cache");
-    return make_cpu_backend(std::move(weights), options.threads);
+    return make_cpu_backend(std::move(weights), options.threads, options.cpu_act);
   }
   if (kind == "cuda") {
 #ifdef LILY_HAVE_CUDA

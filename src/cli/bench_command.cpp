@@ -64,6 +64,7 @@ double forward_ms(Backend& b, SequenceCache& cache, std::span<const int> tokens,
 struct Setup {
   std::string model_desc, backend;
   std::vector<int> ctxs, prefill;
+  std::string cpu_act = "auto";  // --cpu-act
   int tokens = 64, warmup = 1, repeats = 5;
   uint64_t seed = 1;
   bool profile = false;
@@ -532,6 +533,7 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   const double read_gbs = host_read_gbs(threads);
   BackendOptions opt;
   opt.kind = "cpu";
+  opt.cpu_act = s.cpu_act;
   opt.threads = threads;
   auto b = make_backend(std::move(w), opt);
   const ModelConfig& c = b->config();
@@ -541,10 +543,14 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   j["backend"] = "cpu";
   j["threads"] = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
   j["matmul_path"] = cpu::matmul_isa_name(cpu::matmul_isa());
+  const bool autoq = (s.cpu_act.empty() || s.cpu_act == "auto") && cpu::q8_supported();
+  j["quantized_inputs"] = s.cpu_act == "q8" ? "q8 (avx512-vnni)" : s.cpu_act == "q16" || autoq ? "q16 (avx512-vnni)" : "f32";
   j["host_read_gbs"] = read_gbs;
   j["method"] = "prompt of random tokens prefilled to the context length, then timed greedy decode";
-  std::printf("cpu: %d threads   matmul: %s   host read bandwidth: %.1f GB/s   model: %s\n\n",
-              j["threads"].get<int>(), j["matmul_path"].get<std::string>().c_str(), read_gbs, s.model_desc.c_str());
+  std::printf("cpu: %d threads   matmul: %s, inputs of quantized weights %s   host read bandwidth: %.1f GB/s   "
+              "model: %s\n\n",
+              j["threads"].get<int>(), j["matmul_path"].get<std::string>().c_str(),
+              j["quantized_inputs"].get<std::string>().c_str(), read_gbs, s.model_desc.c_str());
   std::printf("%8s %12s %9s %9s %9s %9s %7s\n", "ctx", "prefill t/s", "tok/s", "ms/tok", "GB/tok", "GB/s",
               "%read");
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
@@ -593,6 +599,7 @@ nlohmann::ordered_json bench_draft(std::unique_ptr<ModelWeights> w, const Setup&
                                    int threads, const std::string& kv) {
   BackendOptions opt;
   opt.kind = s.backend;
+  opt.cpu_act = s.cpu_act;
   opt.threads = threads;
   opt.kv_cache = kv;
   auto b = make_backend(std::move(w), opt);
@@ -651,6 +658,7 @@ nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup&
                                    int suffix, int requests, int threads, const std::string& kv) {
   BackendOptions opt;
   opt.kind = s.backend;
+  opt.cpu_act = s.cpu_act;
   opt.threads = threads;
   opt.kv_cache = kv;
   auto b = make_backend(std::move(w), opt);
@@ -716,10 +724,12 @@ nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup&
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
-          "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft"},
+          "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
+          "--cpu-act"},
          {"--profile", "--trace", "--handover"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
+  s.cpu_act = a.str("--cpu-act", "auto");
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
   if (a.has("--prefill") && a.str("--prefill") != "none") s.prefill = parse_int_list(a.str("--prefill"), "--prefill");
   s.tokens = static_cast<int>(a.integer("--tokens", 64, 1, 1 << 16));

@@ -22,6 +22,8 @@ std::unique_ptr<Backend> open_backend(const Args& a) {
   opt.kind = a.str("--backend", "cpu");
   opt.threads = static_cast<int>(a.integer("--threads", 0, 0, 1024));
   opt.kv_cache = a.str("--kv-cache");
+  // The reference tools: f32 inputs unless asked otherwise.
+  opt.cpu_act = a.str("--cpu-act", "f32");
   auto weights = load_model(a.required("--model"));
   if (a.has("--quantize")) quantize_model(*weights, parse_quantize_option(a.str("--quantize")));
   return make_backend(std::move(weights), opt);
@@ -41,7 +43,7 @@ void print_row(std::FILE* f, const float* row, int n) {
 }  // namespace
 
 int cmd_logits(int argc, char** argv) {
-  Args a(argc, argv, {"--model", "--tokens", "--prefill", "--backend", "--threads", "--quantize", "--kv-cache"});
+  Args a(argc, argv, {"--model", "--tokens", "--prefill", "--backend", "--threads", "--quantize", "--kv-cache", "--cpu-act"});
   auto backend = open_backend(a);
   std::vector<int> tokens = parse_int_list(a.required("--tokens"), "--tokens");
   const long long n = static_cast<long long>(tokens.size());
@@ -64,7 +66,7 @@ int cmd_logits(int argc, char** argv) {
 }
 
 int cmd_generate(int argc, char** argv) {
-  Args a(argc, argv, {"--model", "--tokens", "--max-tokens", "--backend", "--threads", "--quantize", "--kv-cache"});
+  Args a(argc, argv, {"--model", "--tokens", "--max-tokens", "--backend", "--threads", "--quantize", "--kv-cache", "--cpu-act"});
   auto backend = open_backend(a);
   std::vector<int> prompt = parse_int_list(a.required("--tokens"), "--tokens");
   const int max_new = static_cast<int>(a.integer("--max-tokens", 16, 0, 1 << 20));

@@ -59,6 +59,7 @@ server::ModelLoadOptions model_load_options(const Args& a) {
   lo.backend.kind = a.str("--backend", "auto");
   lo.backend.threads = static_cast<int>(a.integer("--threads", 0, 0, 1024));
   lo.backend.kv_cache = a.str("--kv-cache");
+  lo.backend.cpu_act = a.str("--cpu-act", "auto");
   lo.quantize = a.str("--quantize");
   return lo;
 }

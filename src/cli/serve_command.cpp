@@ -20,7 +20,7 @@ namespace lily::cli {
 int cmd_serve(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--tokenizer", "--host", "--port", "--api-key", "--ctx", "--max-body",
-          "--max-tokens-limit", "--backend", "--threads", "--kv-cache", "--quantize", "--http-threads", "--max-queue",
+          "--max-tokens-limit", "--backend", "--threads", "--kv-cache", "--cpu-act", "--quantize", "--http-threads", "--max-queue",
           "--stream-buffer", "--prefix-cache", "--prefix-cache-entries", "--speculative"},
          {"--quiet"});
   auto say = [](const std::string& s) {

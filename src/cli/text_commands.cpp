@@ -24,7 +24,7 @@ namespace {
 using ojson = nlohmann::ordered_json;
 
 const std::set<std::string> kModelFlags = {"--model", "--tokenizer", "--backend", "--threads", "--kv-cache",
-                                           "--quantize"};
+                                           "--quantize", "--cpu-act"};
 
 std::set<std::string> with(std::set<std::string> a, std::initializer_list<std::string> b) {
   a.insert(b);

@@ -56,10 +56,11 @@ class CpuCache final : public SequenceCache {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(std::unique_ptr<ModelWeights> w, int threads)
-      : w_(std::move(w)), c_(w_->config), pool_(threads > 0 ? threads : 0) {}
+  CpuBackend(std::unique_ptr<ModelWeights> w, int threads, cpu::ActPrecision act)
+      : w_(std::move(w)), c_(w_->config), pool_(threads > 0 ? threads : 0), act_(act) {}
 
   std::string name() const override { return "cpu"; }
+  cpu::ActPrecision act() const { return act_; }
   const ModelConfig& config() const override { return c_; }
 
   std::unique_ptr<SequenceCache> new_cache(int max_positions) override {
@@ -194,7 +195,7 @@ class CpuBackend final : public Backend {
     const int first = mode == LogitsMode::All ? 0 : T - 1;
     const int rows = T - first;
     norm_rows(&x[static_cast<size_t>(first) * H], w_->final_norm.data(), rows, xn.data());
-    matmul(pool_, w_->lm_head, xn.data(), rows, H, logits, c_.vocab_size);
+    matmul(pool_, w_->lm_head, xn.data(), rows, H, logits, c_.vocab_size, act_);
   }
 
   void norm_rows(const float* x, const float* w, int T, float* out) {
@@ -212,7 +213,7 @@ class CpuBackend final : public Backend {
     const cpu::MatmulJob qkv[] = {{&A.q, xn, T, size_t(H), q.data(), size_t(q_dim)},
                                   {&A.k, xn, T, size_t(H), k.data(), size_t(kv_dim)},
                                   {&A.v, xn, T, size_t(H), v.data(), size_t(kv_dim)}};
-    cpu::matmul_many(pool_, qkv);
+    cpu::matmul_many(pool_, qkv, act_);
     // One cos / sin table per token for all its heads (the trigonometry
     // costs more than the rotation).
     std::vector<float> rc(c_.rotary_dim / 2), rs(rc.size());
@@ -241,7 +242,7 @@ class CpuBackend final : public Backend {
           for (int i = 0; i < hd; ++i)
             o[(t * nh + h) * hd + i] *= cpu::sigmoid(q[t * q_dim + h * q_head + hd + i]);
     }
-    matmul(pool_, A.o, o.data(), T, nh * hd, out, H);
+    matmul(pool_, A.o, o.data(), T, nh * hd, out, H, act_);
   }
 
   void deltanet_block(const DeltaNetWeights& D, CpuCache::Layer& cache, const float* xn, int T,
@@ -256,7 +257,7 @@ class CpuBackend final : public Backend {
                                  {&D.in_z, xn, T, size_t(H), z.data(), size_t(vdim)},
                                  {&D.in_b, xn, T, size_t(H), b.data(), size_t(nv)},
                                  {&D.in_a, xn, T, size_t(H), a.data(), size_t(nv)}};
-    cpu::matmul_many(pool_, in);
+    cpu::matmul_many(pool_, in, act_);
 
     cpu::DeltaNetLayerIO io{T, nk, nv, dk, dv, K, qkv.data(), a.data(), b.data(), D.conv.data(),
                             D.a_log.data(), D.dt_bias.data(), cache.conv.data(), cache.state.data(),
@@ -280,7 +281,7 @@ class CpuBackend final : public Backend {
         cpu::rms_norm(oh, D.norm.data(), dv, c_.rms_norm_eps, oh);
         for (int i = 0; i < dv; ++i) oh[i] *= cpu::silu(zh[i]);
       }
-    matmul(pool_, D.out, o.data(), T, vdim, out, H);
+    matmul(pool_, D.out, o.data(), T, vdim, out, H, act_);
   }
 
   // down(silu(gate(x)) * up(x)) for T rows.
@@ -309,13 +310,13 @@ class CpuBackend final : public Backend {
       jobs.push_back({&mlp[i]->gate, xs[i], Ts[i], size_t(H), g[i].data(), size_t(I)});
       jobs.push_back({&mlp[i]->up, xs[i], Ts[i], size_t(H), u[i].data(), size_t(I)});
     }
-    cpu::matmul_many(pool_, jobs);
+    cpu::matmul_many(pool_, jobs, act_);
     jobs.clear();
     for (size_t i = 0; i < n; ++i) {
       for (size_t k = 0; k < g[i].size(); ++k) g[i][k] = cpu::silu(g[i][k]) * u[i][k];
       jobs.push_back({&mlp[i]->down, g[i].data(), Ts[i], size_t(mlp[i]->gate.rows), outs[i], size_t(H)});
     }
-    cpu::matmul_many(pool_, jobs);
+    cpu::matmul_many(pool_, jobs, act_);
   }
 
   void mlp_block(const MlpWeights& m, const float* xn, int T, float* out) { swiglu(m, xn, T, out); }
@@ -323,6 +324,8 @@ class CpuBackend final : public Backend {
   void moe_block(const MoeWeights& M, const float* xn, int T, float* out) {
     const int H = c_.hidden_size, E = c_.num_experts, k = c_.num_experts_per_tok;
     std::vector<float> logits(static_cast<size_t>(T) * E);
+    // The router (and the shared expert's gate) keep f32 inputs: tiny, and
+    // the expert choice should not move with the inputs' rounding.
     matmul(pool_, M.router, xn, T, H, logits.data(), E);
     // Route: softmax over all experts, top-k, optional renormalisation.
     std::vector<std::vector<std::pair<int, float>>> by_expert(E);  // (token, weight)
@@ -393,12 +396,24 @@ class CpuBackend final : public Backend {
   std::unique_ptr<ModelWeights> w_;
   const ModelConfig& c_;
   ThreadPool pool_;
+  cpu::ActPrecision act_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(std::unique_ptr<ModelWeights> weights, int threads) {
-  return std::make_unique<CpuBackend>(std::move(weights), threads);
+std::unique_ptr<Backend> make_cpu_backend(std::unique_ptr<ModelWeights> weights, int threads,
+                                          const std::string& act) {
+  cpu::ActPrecision a = cpu::ActPrecision::F32;
+  if (act == "q8" || act == "q16") {
+    if (!cpu::q8_supported())
+      fail("--cpu-act ", act, ": this CPU has no AVX-512 VNNI (or LILY_CPU_SIMD caps the kernels below AVX-512)");
+    a = act == "q8" ? cpu::ActPrecision::Q8 : cpu::ActPrecision::Q16;
+  } else if (act.empty() || act == "auto") {
+    a = cpu::q8_supported() ? cpu::ActPrecision::Q16 : cpu::ActPrecision::F32;
+  } else if (act != "f32") {
+    fail("--cpu-act '", act, "': expected auto, f32, q16 or q8");
+  }
+  return std::make_unique<CpuBackend>(std::move(weights), threads, a);
 }
 
 }  // namespace lily

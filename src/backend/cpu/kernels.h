@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 
 #include "core/thread_pool.h"
@@ -21,7 +22,7 @@ void dequantize_row(const Matrix& w, int row, float* out);
 // input rows. A row's result does not depend on the thread count.
 // act: the precision of the inputs of quantized weights (below); F32 for
 // every other format.
-enum class ActPrecision { F32, Q8 };
+enum class ActPrecision { F32, Q16, Q8 };
 void matmul(ThreadPool& pool, const Matrix& w, const float* x, int T, size_t x_stride, float* y,
             size_t y_stride, ActPrecision act = ActPrecision::F32);
 // Several matmuls as one parallel loop over all their rows (one hand-off to
@@ -37,19 +38,24 @@ struct MatmulJob {
 };
 void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision act = ActPrecision::F32);
 
-// ActPrecision::Q8: a quantized matrix's inputs are rounded to int8 per
-// weight group (quantize_q8) and multiplied with integer dot products
-// (AVX-512 VNNI: 4 weights x inputs per instruction), the products scaled
-// per group in f32 and the bias term taken from the f32 inputs; about 4x
-// fewer instructions per weight than the f32 kernels, whose results it
-// matches to the inputs' rounding (~0.4% of a group's largest |x| per
-// input). A matrix it cannot take (no VNNI, group sizes that do not tile a
+// Integer inputs (ActPrecision::Q16 / Q8): a quantized matrix's inputs are
+// rounded to integer codes per weight group (quantize_inputs) and multiplied
+// with integer dot products (AVX-512 VNNI: 4 weight codes x 8-bit inputs per
+// instruction, exact in int32), the sums scaled per group in f32 and the
+// bias term taken from the f32 inputs. Q16: codes up to +-32512 (15 bits
+// under the group's largest |x|, as the cuda backend's default), held as two
+// int8 parts, hi = floor((code + 128) / 256) and lo = code - 256 hi, so
+// sum(q code) = 256 sum(q hi) + sum(q lo); Q8: +-127 (7 bits, llama.cpp's
+// class; the tiny random test models drift by tens of percent at 8 bits
+// while each product moves by ~1%: their MoE flips experts, docs/benchmarks.md).
+// A matrix the kernel cannot take (no VNNI, group sizes that do not tile a
 // 64-byte load, columns not a multiple of 128 / 64) runs the f32 kernels.
 bool q8_supported();        // the CPU has AVX-512 VNNI (and the cap allows AVX-512)
 bool q8_fits(const Matrix& w);  // the kernel takes this matrix's layout
-// The rounding: per group of n values, scale = max|x| / 127 (0 for an
-// all-zero group) and codes round(x / scale) in [-127, 127].
-void quantize_q8(const float* x, int cols, int group_size, int8_t* codes, float* scales);
+constexpr int kMaxCode16 = 32512;
+// The rounding: per group, scale = max|x| / max_code (0 for an all-zero
+// group) and codes round(x / scale) in [-max_code, max_code].
+void quantize_inputs(const float* x, int cols, int group_size, int max_code, int32_t* codes, float* scales);
 // The kernel matmul takes: the widest the CPU has (checked at run time) up
 // to a cap, set by set_matmul_isa (tests, A/B runs) or else by the
 // environment (LILY_CPU_SIMD=0|portable, avx2 or avx512; default: no cap).

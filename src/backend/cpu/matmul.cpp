@@ -241,10 +241,10 @@ inline V loadw(const uint8_t* src, int c) {
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 
-// Quantized rows on 8-bit inputs (ActPrecision::Q8): each input row is
-// rounded to int8 per weight group (scale max|x| / 127, quantize_q8) and the
-// weight codes (unsigned) multiply them four at a time with VPDPBUSD into
-// 32-bit sums: one 64-byte load of a row is 128 4-bit or 64 8-bit weights,
+// Quantized rows on integer inputs (ActPrecision::Q16 / Q8): each input row
+// is rounded to codes per weight group (quantize_inputs; Q16 as two int8
+// planes) and the weight codes (unsigned) multiply them four at a time with
+// VPDPBUSD into 32-bit sums (Q16: the high plane's sums x 256 + the low's): one 64-byte load of a row is 128 4-bit or 64 8-bit weights,
 // decoded by two ANDs and a shift. Each 32-bit lane covers 8 (4-bit) or 4
 // (8-bit) consecutive columns, so a chunk's lanes are scaled per group by
 // weight scale x input scale and accumulated in f32; the bias term is
@@ -291,9 +291,10 @@ inline float dot(const float* a, const float* b, size_t n) {
 }
 
 // Rows [r0, r1) against NT quantized input rows: xi (int8 codes, xi_stride
-// apart), xs (their per-group scales, xs_stride apart, 16 floats of room
-// after the last group) and xsum (f32 group sums, `groups` apart).
-template <WeightFormat F, int NT>
+// apart; Wide: the 16-bit codes' high bytes, then their low bytes, each
+// `cols` long), xs (their per-group scales, xs_stride apart, 16 floats of
+// room after the last group) and xsum (f32 group sums, `groups` apart).
+template <WeightFormat F, bool Wide, int NT>
 void rows(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
           const float* xsum, size_t r0, size_t r1, float* y, size_t y_stride) {
   constexpr int C = kChunk<F>;
@@ -327,13 +328,16 @@ void rows(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, 
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
         const int8_t* xt = xi + t * xi_stride + size_t(ch) * C;
-        __m512i d;
-        if constexpr (F == WeightFormat::Affine4) {
-          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, nib), _mm512_loadu_si512(xt));
-          d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), _mm512_loadu_si512(xt + 64));
-        } else {
-          d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, _mm512_loadu_si512(xt));
-        }
+        auto part = [&](const int8_t* p) {
+          if constexpr (F == WeightFormat::Affine4) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, nib), _mm512_loadu_si512(p));
+            return _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(b, 4), nib), _mm512_loadu_si512(p + 64));
+          } else {
+            return _mm512_dpbusd_epi32(_mm512_setzero_si512(), b, _mm512_loadu_si512(p));
+          }
+        };
+        __m512i d = part(xt);
+        if constexpr (Wide) d = _mm512_add_epi32(_mm512_slli_epi32(d, 8), part(xt + w.cols));
         const __m512 sc = _mm512_permutexvar_ps(gidx, _mm512_loadu_ps(&comb[size_t(t) * (groups + 16) + g0]));
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[t]);
       }
@@ -342,7 +346,7 @@ void rows(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, 
   }
 }
 
-template <WeightFormat F>
+template <WeightFormat F, bool Wide>
 void rows_all(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
               const float* xsum, size_t groups, int T, size_t r0, size_t r1, float* y, size_t y_stride) {
   for (int t0 = 0; t0 < T; t0 += 4) {
@@ -351,20 +355,24 @@ void rows_all(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* 
     const float *s0 = xs + size_t(t0) * xs_stride, *m0 = xsum + size_t(t0) * groups;
     float* y0 = y + size_t(t0) * y_stride;
     switch (n) {
-      case 1: rows<F, 1>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
-      case 2: rows<F, 2>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
-      case 3: rows<F, 3>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
-      default: rows<F, 4>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
+      case 1: rows<F, Wide, 1>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
+      case 2: rows<F, Wide, 2>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
+      case 3: rows<F, Wide, 3>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
+      default: rows<F, Wide, 4>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride); break;
     }
   }
 }
 
-void rows_any(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
+void rows_any(const Matrix& w, bool wide, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
               const float* xsum, size_t groups, int T, size_t r0, size_t r1, float* y, size_t y_stride) {
-  if (w.format == WeightFormat::Affine4)
-    rows_all<WeightFormat::Affine4>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
-  else
-    rows_all<WeightFormat::Affine8>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
+  using WF = WeightFormat;
+  if (w.format == WF::Affine4) {
+    if (wide) rows_all<WF::Affine4, true>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
+    else rows_all<WF::Affine4, false>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
+  } else {
+    if (wide) rows_all<WF::Affine8, true>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
+    else rows_all<WF::Affine8, false>(w, xi, xi_stride, xs, xs_stride, xsum, groups, T, r0, r1, y, y_stride);
+  }
 }
 
 }  // namespace simd_vnni
@@ -429,17 +437,17 @@ MatmulIsa matmul_isa() {
   return static_cast<MatmulIsa>(std::min(cap, static_cast<int>(cpu_isa())));
 }
 
-void quantize_q8(const float* x, int cols, int group_size, int8_t* codes, float* scales) {
+void quantize_inputs(const float* x, int cols, int group_size, int max_code, int32_t* codes, float* scales) {
+  const float top = static_cast<float>(max_code);
   for (int g = 0; g * group_size < cols; ++g) {
     const float* xg = x + size_t(g) * group_size;
     float amax = 0.f;
     for (int i = 0; i < group_size; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    scales[g] = scale;
+    const float inv = amax > 0.f ? top / amax : 0.f;
+    scales[g] = amax / top;
     for (int i = 0; i < group_size; ++i) {
       const float q = std::nearbyint(xg[i] * inv);
-      codes[size_t(g) * group_size + i] = static_cast<int8_t>(std::clamp(q, -127.f, 127.f));
+      codes[size_t(g) * group_size + i] = static_cast<int32_t>(std::clamp(q, -top, top));
     }
   }
 }
@@ -475,7 +483,9 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
     std::vector<float> xsum, xperm, xs;
     std::vector<int8_t> xi;
   };
-  const bool want_q8 = act == ActPrecision::Q8 && q8_supported();
+  const bool want_q8 = act != ActPrecision::F32 && q8_supported();
+  const bool wide = act == ActPrecision::Q16;
+  const int max_code = wide ? kMaxCode16 : 127;
   std::vector<Prep> prep(jobs.size());
   std::vector<size_t> first(jobs.size() + 1, 0);
   size_t grain = SIZE_MAX;
@@ -494,21 +504,35 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
     if (P.q8) {
       // Codes in the kernel's order (4-bit: per 128 columns the even ones,
       // then the odd ones), scales with 16 floats of room.
+      // Wide: a 16-bit code as two int8 parts, hi = floor((code + 128) /
+      // 256) and lo = code - 256 hi, each plane `cols` long.
       const size_t groups = w.cols / w.group_size;
-      P.xi.resize(size_t(T) * w.cols);
+      const size_t planes = wide ? 2 : 1;
+      P.xi.resize(size_t(T) * planes * w.cols);
       P.xs.assign(size_t(T) * (groups + 16), 0.f);
-      std::vector<int8_t> codes(w.cols);
+      std::vector<int32_t> codes(w.cols);
       for (int t = 0; t < T; ++t) {
-        quantize_q8(J.x + size_t(t) * J.x_stride, w.cols, w.group_size, codes.data(), &P.xs[size_t(t) * (groups + 16)]);
-        int8_t* dst = &P.xi[size_t(t) * w.cols];
+        quantize_inputs(J.x + size_t(t) * J.x_stride, w.cols, w.group_size, max_code, codes.data(),
+                        &P.xs[size_t(t) * (groups + 16)]);
+        int8_t* hi = &P.xi[size_t(t) * planes * w.cols];
+        int8_t* lo = hi + w.cols;
+        auto put = [&](int at, int32_t code) {
+          if (!wide) {
+            hi[at] = static_cast<int8_t>(code);
+            return;
+          }
+          const int32_t h = (code + 128) >> 8;  // floor division by 256
+          hi[at] = static_cast<int8_t>(h);
+          lo[at] = static_cast<int8_t>(code - 256 * h);
+        };
         if (w.format == WeightFormat::Affine4) {
           for (int c = 0; c < w.cols; c += 128)
             for (int i = 0; i < 64; ++i) {
-              dst[c + i] = codes[c + 2 * i];
-              dst[c + 64 + i] = codes[c + 2 * i + 1];
+              put(c + i, codes[c + 2 * i]);
+              put(c + 64 + i, codes[c + 2 * i + 1]);
             }
         } else {
-          std::copy(codes.begin(), codes.end(), dst);
+          for (int c = 0; c < w.cols; ++c) put(c, codes[c]);
         }
       }
     } else if (P.isa == MatmulIsa::Avx512 && w.format == WeightFormat::Affine4) {
@@ -548,8 +572,8 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
 #ifdef LILY_CPU_X86
         case MatmulIsa::Avx512:
           if (P.q8)
-            simd_vnni::rows_any(*J.w, P.xi.data(), J.w->cols, P.xs.data(), P.groups + 16, xsum, P.groups, J.T, r0, r1,
-                                J.y, J.y_stride);
+            simd_vnni::rows_any(*J.w, wide, P.xi.data(), J.w->cols * (wide ? 2 : 1), P.xs.data(), P.groups + 16, xsum,
+                                P.groups, J.T, r0, r1, J.y, J.y_stride);
           else if (!P.xperm.empty())
             simd_avx512::rows_any(*J.w, P.xperm.data(), J.T, J.w->cols, xsum, P.groups, r0, r1, J.y, J.y_stride);
           else
