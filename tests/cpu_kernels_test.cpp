@@ -281,6 +281,33 @@ TEST(Matmul, ManyJobsGiveTheBitsOfOneCallEach) {
   }
 }
 
+// Integer inputs: jobs that share an input (the same x, and the same
+// column count and grouping: q / k / v, an expert's gate and up) share its
+// codes; every job still gets the bits of a call of its own.
+TEST(Q8, ManyJobsSharingAnInputGiveTheBitsOfOneCallEach) {
+  if (!cpu::q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  AffineMatrix a(37, 256, 4, 64, 5), b(19, 256, 4, 64, 6), c(11, 256, 8, 64, 7), d(9, 256, 4, 32, 8);
+  auto x = random_floats(size_t(5) * 300, 9);
+  auto x2 = random_floats(size_t(5) * 300, 10);
+  const Matrix* ms[] = {&a.m, &b.m, &c.m, &d.m, &a.m};
+  const float* xs[] = {x.data(), x.data(), x.data(), x.data(), x2.data()};
+  const int Ts[] = {3, 3, 3, 3, 3};
+  ThreadPool pool(3);
+  for (auto act : {cpu::ActPrecision::Q16, cpu::ActPrecision::Q8}) {
+    std::vector<std::vector<float>> one(5), many(5);
+    std::vector<cpu::MatmulJob> jobs;
+    for (int j = 0; j < 5; ++j) {
+      const size_t ys = ms[j]->rows;
+      one[j].assign(Ts[j] * ys, -1.f);
+      many[j] = one[j];
+      cpu::matmul(pool, *ms[j], xs[j], Ts[j], 300, one[j].data(), ys, act);
+      jobs.push_back({ms[j], xs[j], Ts[j], 300, many[j].data(), ys});
+    }
+    cpu::matmul_many(pool, jobs, act);
+    for (int j = 0; j < 5; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j;
+  }
+}
+
 TEST(Matmul, Bf16F16AndF32MatchReference) {
   const int rows = 41, cols = 77;
   auto wf = random_floats(size_t(rows) * cols, 3, 0.2f);

@@ -350,6 +350,7 @@ class CpuBackend final : public Backend {
     std::vector<const MlpWeights*> mlp;
     std::vector<int> experts, Ts;
     std::vector<std::vector<float>> xe, ye;
+    std::vector<const float*> xs;
     for (int e = 0; e < E; ++e) {
       const auto& routed = by_expert[e];
       if (routed.empty()) continue;
@@ -357,9 +358,16 @@ class CpuBackend final : public Backend {
       experts.push_back(e);
       mlp.push_back(&M.experts[e]);
       Ts.push_back(n);
-      xe.emplace_back(static_cast<size_t>(n) * H);
       ye.emplace_back(static_cast<size_t>(n) * H);
+      // An expert that every token chose (a decode step's experts) reads xn
+      // itself: the matmuls then see one input (and quantize it once).
+      if (n == T) {
+        xs.push_back(xn);
+        continue;
+      }
+      xe.emplace_back(static_cast<size_t>(n) * H);
       for (int i = 0; i < n; ++i) std::copy_n(xn + routed[i].first * H, H, &xe.back()[i * H]);
+      xs.push_back(xe.back().data());
     }
     std::vector<float> gate(T);
     if (M.has_shared) {
@@ -368,12 +376,9 @@ class CpuBackend final : public Backend {
       ye.emplace_back(static_cast<size_t>(T) * H);
       matmul(pool_, M.shared_gate, xn, T, H, gate.data(), 1);
     }
-    std::vector<const float*> xs;
+    if (M.has_shared) xs.push_back(xn);
     std::vector<float*> outs;
-    for (size_t i = 0; i < mlp.size(); ++i) {
-      xs.push_back(i < xe.size() ? xe[i].data() : xn);
-      outs.push_back(ye[i].data());
-    }
+    for (size_t i = 0; i < mlp.size(); ++i) outs.push_back(ye[i].data());
     swiglu_many(mlp, xs, Ts, outs);
     std::fill(out, out + static_cast<size_t>(T) * H, 0.f);
     for (size_t i = 0; i < experts.size(); ++i) {

@@ -375,6 +375,51 @@ void rows_any(const Matrix& w, bool wide, const int8_t* xi, size_t xi_stride, co
   }
 }
 
+// One input row as the kernel takes it (quantize_inputs' codes, the same
+// values): hi (and, wide, lo) planes, 4-bit rows' chunks split into even
+// and odd columns. Needs group_size % 32 == 0 (a deinterleaved vector of 16
+// lies in one group).
+void quantize_row(const float* x, int cols, int gs, bool four_bit, bool wide, int max_code, int8_t* hi,
+                  int8_t* lo, float* scales, std::vector<float>& inv) {
+  const int groups = cols / gs;
+  inv.resize(groups);
+  const float top = static_cast<float>(max_code);
+  for (int g = 0; g < groups; ++g) {
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < gs; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + g * gs + i)));
+    const float amax = _mm512_reduce_max_ps(m);
+    scales[g] = amax / top;
+    inv[g] = amax > 0.f ? top / amax : 0.f;
+  }
+  const __m512i lim = _mm512_set1_epi32(max_code), nlim = _mm512_set1_epi32(-max_code);
+  auto put = [&](__m512 v, int group, int at) {
+    __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv[group])),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    q = _mm512_max_epi32(_mm512_min_epi32(q, lim), nlim);
+    if (!wide) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + at), _mm512_cvtepi32_epi8(q));
+      return;
+    }
+    const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+    const __m512i l = _mm512_sub_epi32(q, _mm512_slli_epi32(h, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + at), _mm512_cvtepi32_epi8(h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + at), _mm512_cvtepi32_epi8(l));
+  };
+  if (four_bit) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int c = 0; c < cols; c += 128)
+      for (int k = 0; k < 4; ++k) {  // columns c + 32k .. c + 32k + 31
+        const __m512 a = _mm512_loadu_ps(x + c + 32 * k), b = _mm512_loadu_ps(x + c + 32 * k + 16);
+        const int group = (c + 32 * k) / gs;
+        put(_mm512_permutex2var_ps(a, even, b), group, c + 16 * k);
+        put(_mm512_permutex2var_ps(a, odd, b), group, c + 64 + 16 * k);
+      }
+  } else {
+    for (int c = 0; c < cols; c += 16) put(_mm512_loadu_ps(x + c), c / gs, c);
+  }
+}
+
 }  // namespace simd_vnni
 }  // namespace
 #pragma GCC diagnostic pop
@@ -482,6 +527,7 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
     size_t groups = 0;
     std::vector<float> xsum, xperm, xs;
     std::vector<int8_t> xi;
+    const Prep* inputs = nullptr;  // the prep whose inputs this job reads (itself, or an earlier job's: the same x)
   };
   const bool want_q8 = act != ActPrecision::F32 && q8_supported();
   const bool wide = act == ActPrecision::Q16;
@@ -497,25 +543,47 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
     first[j + 1] = first[j] + (T > 0 ? w.rows : 0);
     if (T == 0) continue;
     Prep& P = prep[j];
+    P.inputs = &P;
 #ifdef LILY_CPU_X86
     if (isa == MatmulIsa::Avx512 && simd_avx512::fits(w)) P.isa = MatmulIsa::Avx512;
     else if (isa >= MatmulIsa::Avx2 && simd_avx2::fits(w)) P.isa = MatmulIsa::Avx2;
     P.q8 = want_q8 && P.isa == MatmulIsa::Avx512 && q8_fits(w);
     if (P.q8) {
+      // An earlier job with the same inputs in the same layout (a layer's
+      // q / k / v, an expert's gate and up) lends its codes.
+      for (size_t k = 0; k < j; ++k) {
+        const Prep& Q = prep[k];
+        const MatmulJob& K = jobs[k];
+        if (Q.q8 && Q.inputs == &Q && K.x == J.x && K.x_stride == J.x_stride && K.T == J.T &&
+            K.w->cols == w.cols && K.w->group_size == w.group_size && K.w->format == w.format) {
+          P.inputs = &Q;
+          break;
+        }
+      }
+    }
+    if (P.q8 && P.inputs == &P) {
       // Codes in the kernel's order (4-bit: per 128 columns the even ones,
-      // then the odd ones), scales with 16 floats of room.
-      // Wide: a 16-bit code as two int8 parts, hi = floor((code + 128) /
-      // 256) and lo = code - 256 hi, each plane `cols` long.
+      // then the odd ones), scales with 16 floats of room. Wide: a 16-bit
+      // code as two int8 parts, hi = floor((code + 128) / 256) and lo =
+      // code - 256 hi, each plane `cols` long.
       const size_t groups = w.cols / w.group_size;
       const size_t planes = wide ? 2 : 1;
+      const bool four_bit = w.format == WeightFormat::Affine4;
       P.xi.resize(size_t(T) * planes * w.cols);
       P.xs.assign(size_t(T) * (groups + 16), 0.f);
-      std::vector<int32_t> codes(w.cols);
+      std::vector<int32_t> codes;
+      std::vector<float> inv;
       for (int t = 0; t < T; ++t) {
-        quantize_inputs(J.x + size_t(t) * J.x_stride, w.cols, w.group_size, max_code, codes.data(),
-                        &P.xs[size_t(t) * (groups + 16)]);
+        const float* xt = J.x + size_t(t) * J.x_stride;
         int8_t* hi = &P.xi[size_t(t) * planes * w.cols];
         int8_t* lo = hi + w.cols;
+        float* scales = &P.xs[size_t(t) * (groups + 16)];
+        if (w.group_size % 32 == 0) {
+          simd_vnni::quantize_row(xt, w.cols, w.group_size, four_bit, wide, max_code, hi, lo, scales, inv);
+          continue;
+        }
+        codes.resize(w.cols);
+        quantize_inputs(xt, w.cols, w.group_size, max_code, codes.data(), scales);
         auto put = [&](int at, int32_t code) {
           if (!wide) {
             hi[at] = static_cast<int8_t>(code);
@@ -525,7 +593,7 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
           hi[at] = static_cast<int8_t>(h);
           lo[at] = static_cast<int8_t>(code - 256 * h);
         };
-        if (w.format == WeightFormat::Affine4) {
+        if (four_bit) {
           for (int c = 0; c < w.cols; c += 128)
             for (int i = 0; i < 64; ++i) {
               put(c + i, codes[c + 2 * i]);
@@ -539,8 +607,8 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
       permute16(J.x, T, J.x_stride, w.cols, P.xperm);
     }
 #endif
-    if (P.isa != MatmulIsa::Portable && w.quantized()) {
-      P.groups = w.cols / w.group_size;
+    if (P.isa != MatmulIsa::Portable && w.quantized()) P.groups = w.cols / w.group_size;
+    if (P.isa != MatmulIsa::Portable && w.quantized() && P.inputs == &P) {
       P.xsum.resize(size_t(T) * P.groups);
       for (int t = 0; t < T; ++t)
         for (size_t g = 0; g < P.groups; ++g) {
@@ -567,13 +635,13 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
       if (r1 <= r0) continue;
       const MatmulJob& J = jobs[j];
       const Prep& P = prep[j];
-      [[maybe_unused]] const float* xsum = P.xsum.empty() ? nullptr : P.xsum.data();
+      [[maybe_unused]] const float* xsum = P.inputs->xsum.empty() ? nullptr : P.inputs->xsum.data();
       switch (P.isa) {
 #ifdef LILY_CPU_X86
         case MatmulIsa::Avx512:
           if (P.q8)
-            simd_vnni::rows_any(*J.w, wide, P.xi.data(), J.w->cols * (wide ? 2 : 1), P.xs.data(), P.groups + 16, xsum,
-                                P.groups, J.T, r0, r1, J.y, J.y_stride);
+            simd_vnni::rows_any(*J.w, wide, P.inputs->xi.data(), J.w->cols * (wide ? 2 : 1), P.inputs->xs.data(),
+                                P.groups + 16, xsum, P.groups, J.T, r0, r1, J.y, J.y_stride);
           else if (!P.xperm.empty())
             simd_avx512::rows_any(*J.w, P.xperm.data(), J.T, J.w->cols, xsum, P.groups, r0, r1, J.y, J.y_stride);
           else
