@@ -147,12 +147,31 @@ class Q8Matmul : public ::testing::TestWithParam<std::tuple<int, int, int, int, 
 // The VNNI kernel against the same arithmetic in double: the weights' codes
 // times the inputs' int8 codes, scaled per group, plus bias x the f32 group
 // sum; and against the f32 product within the inputs' rounding.
+// Every integer kernel this CPU runs (AVX-512 VNNI and / or AVX2).
+std::vector<cpu::MatmulIsa> integer_paths() {
+  std::vector<cpu::MatmulIsa> caps;
+  for (cpu::MatmulIsa cap : {cpu::MatmulIsa::Avx512, cpu::MatmulIsa::Avx2}) {
+    SimdScope scope(cap);
+    if (cpu::integer_kernel() != cpu::IntKernel::None &&
+        (caps.empty() || cpu::integer_kernel() == cpu::IntKernel::Avx2))
+      caps.push_back(cap);
+  }
+  return caps;
+}
+
 TEST_P(Q8Matmul, MatchesQuantizedReference) {
   auto [bits, rows, cols, T, group] = GetParam();
-  if (!cpu::q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const auto caps = integer_paths();
+  if (caps.empty()) GTEST_SKIP() << "no integer kernel (AVX2, AVX-512 VNNI) on this CPU";
   AffineMatrix a(rows, cols, bits, group, 31u + bits + rows);
-  ASSERT_TRUE(cpu::q8_fits(a.m));
   ThreadPool pool(3);
+  int ran = 0;
+  for (cpu::MatmulIsa cap : caps) {
+  SimdScope scope(cap);
+  const cpu::IntKernel kernel = cpu::integer_kernel();
+  if (!cpu::integer_inputs_fit(a.m, kernel)) continue;
+  SCOPED_TRACE(cpu::integer_kernel_name(kernel));
+  ++ran;
   auto x = random_floats(size_t(T) * cols, 13);
   for (size_t i = 0; i < x.size(); ++i) x[i] += 0.5f * ((i / 7) % 3 == 0);
   const int groups = cols / group;
@@ -190,12 +209,15 @@ TEST_P(Q8Matmul, MatchesQuantizedReference) {
       ASSERT_LE(std::fabs(got - yf[size_t(t) * rows + r]), bound * 1.001 + 1e-4) << "row " << r << " input " << t;
     }
   }
+  }
+  EXPECT_GT(ran, 0) << "no kernel takes this shape";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Q8Matmul,
                          ::testing::Values(std::make_tuple(4, 37, 256, 1, 64), std::make_tuple(4, 5, 128, 3, 32),
                                            std::make_tuple(4, 19, 384, 5, 128), std::make_tuple(4, 7, 512, 9, 256),
-                                           std::make_tuple(4, 3, 128, 2, 16), std::make_tuple(8, 29, 320, 2, 64),
+                                           std::make_tuple(4, 3, 128, 2, 16), std::make_tuple(4, 9, 192, 3, 64),
+                                           std::make_tuple(4, 6, 64, 4, 8), std::make_tuple(8, 29, 320, 2, 64),
                                            std::make_tuple(8, 1, 64, 7, 16), std::make_tuple(8, 13, 256, 4, 128),
                                            std::make_tuple(8, 11, 192, 6, 32)));
 
@@ -203,10 +225,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Q8Matmul,
 // kernels: the same bits as asking for f32.
 TEST(Q8, OtherLayoutsRunTheF32Kernels) {
   ThreadPool pool(2);
-  for (auto [bits, cols, group] : {std::tuple{4, 192, 64}, std::tuple{4, 96, 32}, std::tuple{8, 96, 32},
-                                   std::tuple{4, 40, 8}}) {
+  for (auto [bits, cols, group] : {std::tuple{4, 96, 32}, std::tuple{8, 96, 32}, std::tuple{4, 40, 8}}) {
     AffineMatrix a(9, cols, bits, group, 3);
-    EXPECT_FALSE(cpu::q8_fits(a.m)) << bits << "/" << cols << "/" << group;
+    for (auto k : {cpu::IntKernel::Avx512Vnni, cpu::IntKernel::Avx2})
+      EXPECT_FALSE(cpu::integer_inputs_fit(a.m, k)) << bits << "/" << cols << "/" << group;
     auto x = random_floats(size_t(3) * cols, 17);
     std::vector<float> y(27), yf(27);
     cpu::matmul(pool, a.m, x.data(), 3, cols, yf.data(), 9, cpu::ActPrecision::F32);
@@ -285,7 +307,8 @@ TEST(Matmul, ManyJobsGiveTheBitsOfOneCallEach) {
 // column count and grouping: q / k / v, an expert's gate and up) share its
 // codes; every job still gets the bits of a call of its own.
 TEST(Q8, ManyJobsSharingAnInputGiveTheBitsOfOneCallEach) {
-  if (!cpu::q8_supported()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const auto caps = integer_paths();
+  if (caps.empty()) GTEST_SKIP() << "no integer kernel (AVX2, AVX-512 VNNI) on this CPU";
   AffineMatrix a(37, 256, 4, 64, 5), b(19, 256, 4, 64, 6), c(11, 256, 8, 64, 7), d(9, 256, 4, 32, 8);
   auto x = random_floats(size_t(5) * 300, 9);
   auto x2 = random_floats(size_t(5) * 300, 10);
@@ -293,7 +316,9 @@ TEST(Q8, ManyJobsSharingAnInputGiveTheBitsOfOneCallEach) {
   const float* xs[] = {x.data(), x.data(), x.data(), x.data(), x2.data()};
   const int Ts[] = {3, 3, 3, 3, 3};
   ThreadPool pool(3);
+  for (cpu::MatmulIsa cap : caps)
   for (auto act : {cpu::ActPrecision::Q16, cpu::ActPrecision::Q8}) {
+    SimdScope scope(cap);
     std::vector<std::vector<float>> one(5), many(5);
     std::vector<cpu::MatmulJob> jobs;
     for (int j = 0; j < 5; ++j) {
@@ -304,7 +329,7 @@ TEST(Q8, ManyJobsSharingAnInputGiveTheBitsOfOneCallEach) {
       jobs.push_back({ms[j], xs[j], Ts[j], 300, many[j].data(), ys});
     }
     cpu::matmul_many(pool, jobs, act);
-    for (int j = 0; j < 5; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j;
+    for (int j = 0; j < 5; ++j) EXPECT_EQ(one[j], many[j]) << "job " << j << " " << cpu::matmul_isa_name(cap);
   }
 }
 

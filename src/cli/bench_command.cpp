@@ -543,8 +543,9 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   j["backend"] = "cpu";
   j["threads"] = threads > 0 ? threads : static_cast<int>(std::thread::hardware_concurrency());
   j["matmul_path"] = cpu::matmul_isa_name(cpu::matmul_isa());
-  const bool autoq = (s.cpu_act.empty() || s.cpu_act == "auto") && cpu::q8_supported();
-  j["quantized_inputs"] = s.cpu_act == "q8" ? "q8 (avx512-vnni)" : s.cpu_act == "q16" || autoq ? "q16 (avx512-vnni)" : "f32";
+  const bool autoq = (s.cpu_act.empty() || s.cpu_act == "auto") && cpu::integer_inputs_supported();
+  const std::string ik = std::string(" (") + cpu::integer_kernel_name(cpu::integer_kernel()) + ")";
+  j["quantized_inputs"] = s.cpu_act == "q8" ? "q8" + ik : s.cpu_act == "q16" || autoq ? "q16" + ik : "f32";
   j["host_read_gbs"] = read_gbs;
   j["method"] = "prompt of random tokens prefilled to the context length, then timed greedy decode";
   std::printf("cpu: %d threads   matmul: %s, inputs of quantized weights %s   host read bandwidth: %.1f GB/s   "

@@ -410,11 +410,11 @@ std::unique_ptr<Backend> make_cpu_backend(std::unique_ptr<ModelWeights> weights,
                                           const std::string& act) {
   cpu::ActPrecision a = cpu::ActPrecision::F32;
   if (act == "q8" || act == "q16") {
-    if (!cpu::q8_supported())
-      fail("--cpu-act ", act, ": this CPU has no AVX-512 VNNI (or LILY_CPU_SIMD caps the kernels below AVX-512)");
+    if (!cpu::integer_inputs_supported())
+      fail("--cpu-act ", act, ": needs AVX2 or AVX-512 VNNI, which this CPU lacks (or LILY_CPU_SIMD caps the kernels)");
     a = act == "q8" ? cpu::ActPrecision::Q8 : cpu::ActPrecision::Q16;
   } else if (act.empty() || act == "auto") {
-    a = cpu::q8_supported() ? cpu::ActPrecision::Q16 : cpu::ActPrecision::F32;
+    a = cpu::integer_inputs_supported() ? cpu::ActPrecision::Q16 : cpu::ActPrecision::F32;
   } else if (act != "f32") {
     fail("--cpu-act '", act, "': expected auto, f32, q16 or q8");
   }

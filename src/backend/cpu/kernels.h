@@ -48,10 +48,15 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
 // sum(q code) = 256 sum(q hi) + sum(q lo); Q8: +-127 (7 bits, llama.cpp's
 // class; the tiny random test models drift by tens of percent at 8 bits
 // while each product moves by ~1%: their MoE flips experts, docs/benchmarks.md).
-// A matrix the kernel cannot take (no VNNI, group sizes that do not tile a
-// 64-byte load, columns not a multiple of 128 / 64) runs the f32 kernels.
-bool q8_supported();        // the CPU has AVX-512 VNNI (and the cap allows AVX-512)
-bool q8_fits(const Matrix& w);  // the kernel takes this matrix's layout
+// Without VNNI, AVX2's VPMADDUBSW + VPMADDWD do the same for 4-bit
+// weights (8-bit weights would saturate its 16-bit pair sums). A matrix the
+// kernel cannot take (group sizes that do not tile a load, columns not a
+// multiple of 128 / 64, 8-bit weights on AVX2) runs the f32 kernels.
+enum class IntKernel { None, Avx2, Avx512Vnni };
+IntKernel integer_kernel();  // for this CPU under the matmul_isa() cap
+const char* integer_kernel_name(IntKernel k);
+inline bool integer_inputs_supported() { return integer_kernel() != IntKernel::None; }
+bool integer_inputs_fit(const Matrix& w, IntKernel k);  // the kernel takes this matrix's layout
 constexpr int kMaxCode16 = 32512;
 // The rounding: per group, scale = max|x| / max_code (0 for an all-zero
 // group) and codes round(x / scale) in [-max_code, max_code].

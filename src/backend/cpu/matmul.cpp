@@ -178,6 +178,93 @@ inline V loadw(const uint8_t* src, int c) {
   }
 }
 #include "backend/cpu/matmul_simd.inc"
+
+// 4-bit rows on integer inputs without VNNI (AVX2): as simd_vnni's kernel
+// (below), with 32-byte loads of 64 weights, whose inputs are stored per 64
+// columns as the 32 even then the 32 odd ones; VPMADDUBSW (code x input,
+// pairs summed to 16 bits: at most 4 x 15 x 128 for a nibble pair of both
+// halves, no saturation) then VPMADDWD by ones to 32-bit lanes of 8 columns.
+// 8-bit weights would saturate VPMADDUBSW: they keep the f32 kernel.
+namespace ints {
+constexpr int kChunk = 64;
+template <bool Wide, int NT>
+void rows(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
+          const float* xsum, size_t r0, size_t r1, float* y, size_t y_stride) {
+  const int gs = w.group_size, groups = w.cols / gs, chunks = w.cols / kChunk;
+  const size_t row_bytes = w.row_bytes();
+  alignas(32) int lane_group[8];
+  for (int l = 0; l < 8; ++l) lane_group[l] = gs >= kChunk ? 0 : l * 8 / gs;
+  const __m256i gidx = _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_group));
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  thread_local std::vector<float> ws, wb, comb;
+  ws.resize(groups);
+  wb.resize(groups);
+  comb.resize(size_t(NT) * (groups + 8));
+  for (size_t r = r0; r < r1; ++r) {
+    const uint8_t* src = w.data + row_bytes * r;
+    for (int g = 0; g < groups; ++g) {
+      ws[g] = load_value(w.scales, w.scale_dtype, r * groups + g);
+      wb[g] = load_value(w.biases, w.scale_dtype, r * groups + g);
+    }
+    float tail[NT];
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) {
+      const float* xst = xs + t * xs_stride;
+      const float* xm = xsum + size_t(t) * groups;
+      float* c = &comb[size_t(t) * (groups + 8)];
+      float b = 0.f;
+      for (int g = 0; g < groups; ++g) {
+        c[g] = ws[g] * xst[g];
+        b += wb[g] * xm[g];
+      }
+      tail[t] = b;
+      acc[t] = _mm256_setzero_ps();
+    }
+    for (int ch = 0; ch < chunks; ++ch) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + size_t(ch) * 32));
+      const __m256i lo = _mm256_and_si256(bytes, nib), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nib);
+      const int g0 = ch * kChunk / gs;
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* xt = xi + t * xi_stride + size_t(ch) * kChunk;
+        auto part = [&](const int8_t* p) {
+          const __m256i a = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          const __m256i b = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+          return _mm256_madd_epi16(_mm256_add_epi16(a, b), ones);
+        };
+        __m256i d = part(xt);
+        if constexpr (Wide) d = _mm256_add_epi32(_mm256_slli_epi32(d, 8), part(xt + w.cols));
+        const __m256 sc = _mm256_permutevar8x32_ps(_mm256_loadu_ps(&comb[size_t(t) * (groups + 8) + g0]), gidx);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[t]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) y[t * y_stride + r] = vsum(acc[t]) + tail[t];
+  }
+}
+
+void rows_any(const Matrix& w, bool wide, const int8_t* xi, size_t xi_stride, const float* xs, size_t xs_stride,
+              const float* xsum, size_t groups, int T, size_t r0, size_t r1, float* y, size_t y_stride) {
+  for (int t0 = 0; t0 < T; t0 += 4) {
+    const int n = std::min(4, T - t0);
+    const int8_t* x0 = xi + size_t(t0) * xi_stride;
+    const float *s0 = xs + size_t(t0) * xs_stride, *m0 = xsum + size_t(t0) * groups;
+    float* y0 = y + size_t(t0) * y_stride;
+#define LILY_INTS_CASE(W, N) rows<W, N>(w, x0, xi_stride, s0, xs_stride, m0, r0, r1, y0, y_stride)
+    if (wide) {
+      if (n == 1) LILY_INTS_CASE(true, 1);
+      else if (n == 2) LILY_INTS_CASE(true, 2);
+      else if (n == 3) LILY_INTS_CASE(true, 3);
+      else LILY_INTS_CASE(true, 4);
+    } else {
+      if (n == 1) LILY_INTS_CASE(false, 1);
+      else if (n == 2) LILY_INTS_CASE(false, 2);
+      else if (n == 3) LILY_INTS_CASE(false, 3);
+      else LILY_INTS_CASE(false, 4);
+    }
+#undef LILY_INTS_CASE
+  }
+}
+}  // namespace ints
 }  // namespace simd_avx2
 }  // namespace
 #pragma GCC pop_options
@@ -497,22 +584,33 @@ void quantize_inputs(const float* x, int cols, int group_size, int max_code, int
   }
 }
 
-bool q8_supported() {
+IntKernel integer_kernel() {
 #ifdef LILY_CPU_X86
   static const bool vnni = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") != 0;
   }();
-  return vnni && matmul_isa() == MatmulIsa::Avx512;
-#else
-  return false;
+  const MatmulIsa isa = matmul_isa();
+  if (isa == MatmulIsa::Avx512 && vnni) return IntKernel::Avx512Vnni;
+  if (isa >= MatmulIsa::Avx2) return IntKernel::Avx2;
 #endif
+  return IntKernel::None;
 }
 
-bool q8_fits(const Matrix& w) {
-  if (!w.quantized() || w.group_size <= 0 || w.cols % w.group_size != 0) return false;
-  const int chunk = w.format == WeightFormat::Affine4 ? 128 : 64;
-  const int per_lane = chunk / 16;
+const char* integer_kernel_name(IntKernel k) {
+  switch (k) {
+    case IntKernel::Avx512Vnni: return "avx512-vnni";
+    case IntKernel::Avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+bool integer_inputs_fit(const Matrix& w, IntKernel k) {
+  if (k == IntKernel::None || !w.quantized() || w.group_size <= 0 || w.cols % w.group_size != 0) return false;
+  if (k == IntKernel::Avx2 && w.format != WeightFormat::Affine4) return false;  // VPMADDUBSW would saturate
+  const int chunk = k == IntKernel::Avx2 ? 64 : w.format == WeightFormat::Affine4 ? 128 : 64;
+  const int lanes = k == IntKernel::Avx2 ? 8 : 16;
+  const int per_lane = chunk / lanes;
   return w.cols % chunk == 0 && (w.group_size % chunk == 0 || chunk % w.group_size == 0) &&
          w.group_size % per_lane == 0;
 }
@@ -523,13 +621,13 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
   // in the combined range.
   struct Prep {
     MatmulIsa isa = MatmulIsa::Portable;
-    bool q8 = false;
+    IntKernel ik = IntKernel::None;  // integer inputs through this kernel (None: f32 inputs)
     size_t groups = 0;
     std::vector<float> xsum, xperm, xs;
     std::vector<int8_t> xi;
     const Prep* inputs = nullptr;  // the prep whose inputs this job reads (itself, or an earlier job's: the same x)
   };
-  const bool want_q8 = act != ActPrecision::F32 && q8_supported();
+  const IntKernel want_ik = act != ActPrecision::F32 ? integer_kernel() : IntKernel::None;
   const bool wide = act == ActPrecision::Q16;
   const int max_code = wide ? kMaxCode16 : 127;
   std::vector<Prep> prep(jobs.size());
@@ -547,21 +645,24 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
 #ifdef LILY_CPU_X86
     if (isa == MatmulIsa::Avx512 && simd_avx512::fits(w)) P.isa = MatmulIsa::Avx512;
     else if (isa >= MatmulIsa::Avx2 && simd_avx2::fits(w)) P.isa = MatmulIsa::Avx2;
-    P.q8 = want_q8 && P.isa == MatmulIsa::Avx512 && q8_fits(w);
-    if (P.q8) {
+    if (P.isa != MatmulIsa::Portable && integer_inputs_fit(w, want_ik)) {
+      P.ik = want_ik;
+      if (P.ik == IntKernel::Avx2) P.isa = MatmulIsa::Avx2;  // also on AVX-512 CPUs without VNNI
+    }
+    if (P.ik != IntKernel::None) {
       // An earlier job with the same inputs in the same layout (a layer's
       // q / k / v, an expert's gate and up) lends its codes.
       for (size_t k = 0; k < j; ++k) {
         const Prep& Q = prep[k];
         const MatmulJob& K = jobs[k];
-        if (Q.q8 && Q.inputs == &Q && K.x == J.x && K.x_stride == J.x_stride && K.T == J.T &&
+        if (Q.ik == P.ik && Q.inputs == &Q && K.x == J.x && K.x_stride == J.x_stride && K.T == J.T &&
             K.w->cols == w.cols && K.w->group_size == w.group_size && K.w->format == w.format) {
           P.inputs = &Q;
           break;
         }
       }
     }
-    if (P.q8 && P.inputs == &P) {
+    if (P.ik != IntKernel::None && P.inputs == &P) {
       // Codes in the kernel's order (4-bit: per 128 columns the even ones,
       // then the odd ones), scales with 16 floats of room. Wide: a 16-bit
       // code as two int8 parts, hi = floor((code + 128) / 256) and lo =
@@ -569,6 +670,7 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
       const size_t groups = w.cols / w.group_size;
       const size_t planes = wide ? 2 : 1;
       const bool four_bit = w.format == WeightFormat::Affine4;
+      const int chunk = P.ik == IntKernel::Avx2 ? 64 : 128;  // 4-bit: columns per even / odd split
       P.xi.resize(size_t(T) * planes * w.cols);
       P.xs.assign(size_t(T) * (groups + 16), 0.f);
       std::vector<int32_t> codes;
@@ -578,7 +680,7 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
         int8_t* hi = &P.xi[size_t(t) * planes * w.cols];
         int8_t* lo = hi + w.cols;
         float* scales = &P.xs[size_t(t) * (groups + 16)];
-        if (w.group_size % 32 == 0) {
+        if (P.ik == IntKernel::Avx512Vnni && w.group_size % 32 == 0) {
           simd_vnni::quantize_row(xt, w.cols, w.group_size, four_bit, wide, max_code, hi, lo, scales, inv);
           continue;
         }
@@ -594,10 +696,11 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
           lo[at] = static_cast<int8_t>(code - 256 * h);
         };
         if (four_bit) {
-          for (int c = 0; c < w.cols; c += 128)
-            for (int i = 0; i < 64; ++i) {
+          const int half = chunk / 2;
+          for (int c = 0; c < w.cols; c += chunk)
+            for (int i = 0; i < half; ++i) {
               put(c + i, codes[c + 2 * i]);
-              put(c + 64 + i, codes[c + 2 * i + 1]);
+              put(c + half + i, codes[c + 2 * i + 1]);
             }
         } else {
           for (int c = 0; c < w.cols; ++c) put(c, codes[c]);
@@ -639,7 +742,7 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
       switch (P.isa) {
 #ifdef LILY_CPU_X86
         case MatmulIsa::Avx512:
-          if (P.q8)
+          if (P.ik == IntKernel::Avx512Vnni)
             simd_vnni::rows_any(*J.w, wide, P.inputs->xi.data(), J.w->cols * (wide ? 2 : 1), P.inputs->xs.data(),
                                 P.groups + 16, xsum, P.groups, J.T, r0, r1, J.y, J.y_stride);
           else if (!P.xperm.empty())
@@ -648,7 +751,11 @@ void matmul_many(ThreadPool& pool, std::span<const MatmulJob> jobs, ActPrecision
             simd_avx512::rows_any(*J.w, J.x, J.T, J.x_stride, xsum, P.groups, r0, r1, J.y, J.y_stride);
           break;
         case MatmulIsa::Avx2:
-          simd_avx2::rows_any(*J.w, J.x, J.T, J.x_stride, xsum, P.groups, r0, r1, J.y, J.y_stride);
+          if (P.ik == IntKernel::Avx2)
+            simd_avx2::ints::rows_any(*J.w, wide, P.inputs->xi.data(), J.w->cols * (wide ? 2 : 1), P.inputs->xs.data(),
+                                      P.groups + 16, xsum, P.groups, J.T, r0, r1, J.y, J.y_stride);
+          else
+            simd_avx2::rows_any(*J.w, J.x, J.T, J.x_stride, xsum, P.groups, r0, r1, J.y, J.y_stride);
           break;
 #endif
         default: rows_generic(*J.w, J.x, J.T, J.x_stride, r0, r1, J.y, J.y_stride);
