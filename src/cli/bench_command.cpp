@@ -590,6 +590,17 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
   return j;
 }
 
+// The backend a benchmark asked for (--backend, --threads, --kv, --cpu-act).
+std::unique_ptr<Backend> bench_backend(std::unique_ptr<ModelWeights> w, const Setup& s, int threads,
+                                       const std::string& kv) {
+  BackendOptions opt;
+  opt.kind = s.backend;
+  opt.cpu_act = s.cpu_act;
+  opt.threads = threads;
+  opt.kv_cache = kv;
+  return make_backend(std::move(w), opt);
+}
+
 // What a speculative draft run costs against a decode step, per context:
 // forward_draft of T tokens (the token fed and T - 1 drafts) settled by
 // accept_draft keeping all of them, and keeping only the first (the cost of
@@ -598,12 +609,7 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
 // in decode steps. Runs and steps alternate; medians.
 nlohmann::ordered_json bench_draft(std::unique_ptr<ModelWeights> w, const Setup& s, const std::vector<int>& runs,
                                    int threads, const std::string& kv) {
-  BackendOptions opt;
-  opt.kind = s.backend;
-  opt.cpu_act = s.cpu_act;
-  opt.threads = threads;
-  opt.kv_cache = kv;
-  auto b = make_backend(std::move(w), opt);
+  auto b = bench_backend(std::move(w), s, threads, kv);
   const int V = b->config().vocab_size;
   nlohmann::ordered_json j;
   j["model"] = s.model_desc;
@@ -657,12 +663,7 @@ nlohmann::ordered_json bench_draft(std::unique_ptr<ModelWeights> w, const Setup&
 
 nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup& s, const std::vector<int>& preambles,
                                    int suffix, int requests, int threads, const std::string& kv) {
-  BackendOptions opt;
-  opt.kind = s.backend;
-  opt.cpu_act = s.cpu_act;
-  opt.threads = threads;
-  opt.kv_cache = kv;
-  auto b = make_backend(std::move(w), opt);
+  auto b = bench_backend(std::move(w), s, threads, kv);
   const int V = b->config().vocab_size;
   nlohmann::ordered_json j;
   j["model"] = s.model_desc;
