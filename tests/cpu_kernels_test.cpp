@@ -440,32 +440,42 @@ TEST(DeltaNet, RecurrentStepMatchesDefinition) {
   EXPECT_NEAR(o[1], wo[1], 1e-6);
 }
 
+// Both cache layouts: position-major ([positions][kv heads][hd], the cuda
+// test's host copies) and head-major with spare capacity (the cpu
+// backend's: [kv heads][capacity][hd]).
 void check_attention(int T, int past, int nh, int nkv, int hd, int threads) {
   const int total = past + T;
-  auto q = random_floats(size_t(T) * nh * hd, 1), k = random_floats(size_t(total) * nkv * hd, 2),
-       v = random_floats(size_t(total) * nkv * hd, 3);
-  std::vector<float> out(size_t(T) * nh * hd);
-  ThreadPool pool(threads);
-  cpu::attention(pool, {q.data(), size_t(nh * hd), size_t(hd), k.data(), v.data(), out.data(),
-                        size_t(nh * hd), T, past, nh, nkv, hd});
-  for (int t = 0; t < T; ++t)
-    for (int h = 0; h < nh; ++h) {
-      const int g = h / (nh / nkv), n = past + t + 1;
-      std::vector<double> s(n);
-      double mx = -1e30, sum = 0;
-      for (int p = 0; p < n; ++p) {
-        double d = 0;
-        for (int x = 0; x < hd; ++x) d += double(q[(t * nh + h) * hd + x]) * k[(p * nkv + g) * hd + x];
-        s[p] = d / std::sqrt(double(hd));
-        mx = std::max(mx, s[p]);
+  auto q = random_floats(size_t(T) * nh * hd, 1);
+  for (bool head_major : {false, true}) {
+    const int cap = head_major ? total + 3 : total;
+    const size_t head_stride = head_major ? size_t(cap) * hd : size_t(hd);
+    const size_t pos_stride = head_major ? size_t(hd) : size_t(nkv) * hd;
+    auto k = random_floats(size_t(cap) * nkv * hd, 2), v = random_floats(size_t(cap) * nkv * hd, 3);
+    auto at = [&](const std::vector<float>& c, int p, int g, int x) { return c[g * head_stride + p * pos_stride + x]; };
+    std::vector<float> out(size_t(T) * nh * hd);
+    ThreadPool pool(threads);
+    cpu::attention(pool, {q.data(), size_t(nh * hd), size_t(hd), k.data(), v.data(), head_stride, pos_stride,
+                          out.data(), size_t(nh * hd), T, past, nh, nkv, hd});
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < nh; ++h) {
+        const int g = h / (nh / nkv), n = past + t + 1;
+        std::vector<double> s(n);
+        double mx = -1e30, sum = 0;
+        for (int p = 0; p < n; ++p) {
+          double d = 0;
+          for (int x = 0; x < hd; ++x) d += double(q[(t * nh + h) * hd + x]) * at(k, p, g, x);
+          s[p] = d / std::sqrt(double(hd));
+          mx = std::max(mx, s[p]);
+        }
+        for (auto& e : s) sum += (e = std::exp(e - mx));
+        for (int x = 0; x < hd; ++x) {
+          double o = 0;
+          for (int p = 0; p < n; ++p) o += s[p] / sum * at(v, p, g, x);
+          ASSERT_NEAR(out[(t * nh + h) * hd + x], o, 1e-5)
+              << "T " << T << " past " << past << " t " << t << " h " << h << " head-major " << head_major;
+        }
       }
-      for (auto& e : s) sum += (e = std::exp(e - mx));
-      for (int x = 0; x < hd; ++x) {
-        double o = 0;
-        for (int p = 0; p < n; ++p) o += s[p] / sum * v[(p * nkv + g) * hd + x];
-        ASSERT_NEAR(out[(t * nh + h) * hd + x], o, 1e-5) << "T " << T << " past " << past << " t " << t << " h " << h;
-      }
-    }
+  }
 }
 
 TEST(Attention, MatchesNaiveCausalGqa) {

@@ -1210,8 +1210,8 @@ TEST(CudaAttention, SplitDecodeMatchesCpu) {
             }
         }
         std::vector<float> o(size_t(nh) * hd);
-        cpu::AttentionIO io{q.data(), size_t(nh) * hd, size_t(hd), kcpu.data(), vcpu.data(), o.data(),
-                            size_t(nh) * hd, 1, pos, nh, nkv, hd};
+        cpu::AttentionIO io{q.data(), size_t(nh) * hd, size_t(hd), kcpu.data(), vcpu.data(), size_t(hd),
+                            size_t(nkv) * hd, o.data(), size_t(nh) * hd, 1, pos, nh, nkv, hd};
         cpu::attention(pool(), io);
         if (cs.gated)
           for (int hh = 0; hh < nh; ++hh)

@@ -18,7 +18,7 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
   const int group = io.num_heads / io.num_kv_heads;
   const int hd = io.head_dim;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-  const size_t kv_row = static_cast<size_t>(io.num_kv_heads) * hd;
+  const size_t kv_row = io.kv_pos_stride;
   const size_t rows = static_cast<size_t>(io.num_kv_heads) * io.T;
   // Slices per (token, KV head): enough tasks for the threads (four each),
   // at least kMinSlice positions a slice.
@@ -44,7 +44,8 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
       const int n = p1 - p0;
       scores.resize(static_cast<size_t>(group) * std::max(n, 1));
       const float* q0 = io.q + t * io.q_stride + static_cast<size_t>(kvh) * group * io.q_head_stride;
-      attention_scores(q0, io.q_head_stride, group, io.k_cache + p0 * kv_row + kvh * hd, kv_row, n, hd, scale,
+      const size_t head = static_cast<size_t>(kvh) * io.kv_head_stride;
+      attention_scores(q0, io.q_head_stride, group, io.k_cache + head + p0 * kv_row, kv_row, n, hd, scale,
                        scores.data());
       for (int g = 0; g < group; ++g) {
         float* sg = &scores[static_cast<size_t>(g) * n];
@@ -63,7 +64,7 @@ void attention(ThreadPool& pool, const AttentionIO& io) {
       for (int g = 0; g < group; ++g) std::fill_n(out_of(g), hd, 0.f);
       // (The heads' outputs are evenly spaced: hd apart in the output row,
       // part apart in the slices' partials.)
-      attention_values(scores.data(), group, n, io.v_cache + p0 * kv_row + kvh * hd, kv_row, hd, out_of(0),
+      attention_values(scores.data(), group, n, io.v_cache + head + p0 * kv_row, kv_row, hd, out_of(0),
                        group > 1 ? static_cast<size_t>(out_of(1) - out_of(0)) : 0);
       for (int g = 0; g < group; ++g) {
         if (splits == 1) {

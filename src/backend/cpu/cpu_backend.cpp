@@ -22,11 +22,42 @@ namespace {
 
 using cpu::matmul;
 
+// One attention layer's cached K or V rows, head-major: KV head h's
+// position p at at(h, p) = data + (h * cap + p) * hd, so that a decode task
+// (one KV head) streams its rows contiguously. Allocated uninitialised (the
+// pages are committed as rows are written) with room for `cap` positions;
+// grows by doubling, each head's rows moved to its new place.
+struct KvRows {
+  std::unique_ptr<float[]> data;
+  int cap = 0, heads = 0, hd = 0;
+
+  void init(int num_heads, int head_dim) {
+    heads = num_heads;
+    hd = head_dim;
+  }
+  // Room for `positions`, keeping the first `used`.
+  void ensure(int positions, int used) {
+    if (positions <= cap) return;
+    const int grown = std::max(positions, 2 * cap);
+    std::unique_ptr<float[]> d(new float[size_t(heads) * grown * hd]);
+    for (int h = 0; h < heads; ++h) std::copy_n(at(h, 0), size_t(used) * hd, d.get() + size_t(h) * grown * hd);
+    data = std::move(d);
+    cap = grown;
+  }
+  float* at(int h, int p) const { return data.get() + (size_t(h) * cap + p) * hd; }
+  // Positions [0, n) of `src` (same shape) into this, growing if needed.
+  void copy_from(const KvRows& src, int n) {
+    ensure(n, 0);
+    for (int h = 0; h < heads; ++h) std::copy_n(src.at(h, 0), size_t(n) * hd, at(h, 0));
+  }
+};
+
 class CpuCache final : public SequenceCache {
  public:
   struct Layer {
-    std::vector<float> k, v;          // attention: [positions][kv_heads * head_dim]
+    KvRows k, v;                      // attention (heads == 0 for DeltaNet layers)
     std::vector<float> state, conv;   // DeltaNet: [v_heads][dk][dv], [channels][kernel - 1]
+    bool attention() const { return k.heads > 0; }
   };
   std::vector<Layer> layers;
   // A speculative run's record per DeltaNet layer (forward_draft): the
@@ -37,15 +68,29 @@ class CpuCache final : public SequenceCache {
   };
   std::vector<DraftLayer> draft;
 
+  // Compact: KV room for the positions held, no draft record.
   std::unique_ptr<SequenceCache> clone() const override {
     auto c = std::make_unique<CpuCache>();
-    c->layers = layers;
+    c->layers.resize(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      Layer& D = c->layers[i];
+      D.state = L.state;
+      D.conv = L.conv;
+      if (!L.attention()) continue;
+      D.k.init(L.k.heads, L.k.hd);
+      D.v.init(L.v.heads, L.v.hd);
+      D.k.copy_from(L.k, n_past());
+      D.v.copy_from(L.v, n_past());
+    }
     c->set_n_past(n_past());
     return c;
   }
+  // The KV rows held (not the room reserved) and the recurrent states.
   size_t bytes() const override {
     size_t n = 0;
-    for (const auto& l : layers) n += 4 * (l.k.size() + l.v.size() + l.state.size() + l.conv.size());
+    for (const auto& l : layers)
+      n += 4 * (size_t(2) * l.k.heads * l.k.hd * n_past() + l.state.size() + l.conv.size());
     for (const auto& d : draft)
       n += 4 * (d.state.size() + d.conv.size() + d.qkv_in.size() + d.qkv.size() + d.g.size() + d.beta.size());
     return n;
@@ -69,9 +114,10 @@ class CpuBackend final : public Backend {
     for (int i = 0; i < c_.num_layers; ++i) {
       auto& L = cache->layers[i];
       if (c_.layer_kinds[i] == LayerKind::FullAttention) {
-        const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
-        L.k.reserve(row * std::max(0, max_positions));
-        L.v.reserve(row * std::max(0, max_positions));
+        L.k.init(c_.num_kv_heads, c_.head_dim);
+        L.v.init(c_.num_kv_heads, c_.head_dim);
+        L.k.ensure(std::max(1, max_positions), 0);
+        L.v.ensure(std::max(1, max_positions), 0);
       } else {
         L.state.assign(static_cast<size_t>(c_.linear_num_value_heads) * c_.linear_key_head_dim *
                            c_.linear_value_head_dim, 0.f);
@@ -87,9 +133,11 @@ class CpuBackend final : public Backend {
     if (&src == &dst) return;
     if (dst.layers.size() != src.layers.size()) fail("copy_cache: caches of different models");
     for (size_t i = 0; i < src.layers.size(); ++i) {
-      // assign() keeps dst's reserved capacity when it is large enough.
-      dst.layers[i].k.assign(src.layers[i].k.begin(), src.layers[i].k.end());
-      dst.layers[i].v.assign(src.layers[i].v.begin(), src.layers[i].v.end());
+      // Into dst's memory where it has the room.
+      if (src.layers[i].attention()) {
+        dst.layers[i].k.copy_from(src.layers[i].k, src.n_past());
+        dst.layers[i].v.copy_from(src.layers[i].v, src.n_past());
+      }
       dst.layers[i].state.assign(src.layers[i].state.begin(), src.layers[i].state.end());
       dst.layers[i].conv.assign(src.layers[i].conv.begin(), src.layers[i].conv.end());
     }
@@ -103,12 +151,7 @@ class CpuBackend final : public Backend {
     if (n > 0 && n == cache.n_past()) return;
     if (n > 0 && !can_truncate())
       fail("truncate: a DeltaNet state cannot be rolled back to position ", n);
-    const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
-    for (auto& L : cache.layers) {
-      if (!L.k.empty() || !L.v.empty()) {
-        L.k.resize(row * static_cast<size_t>(n));
-        L.v.resize(row * static_cast<size_t>(n));
-      }
+    for (auto& L : cache.layers) {  // KV rows past n are simply not read again
       std::fill(L.state.begin(), L.state.end(), 0.f);
       std::fill(L.conv.begin(), L.conv.end(), 0.f);
     }
@@ -129,7 +172,7 @@ class CpuBackend final : public Backend {
     if (cache.draft_pending()) fail("internal: forward_draft while a draft run is not yet settled");
     cache.draft.resize(cache.layers.size());
     for (size_t i = 0; i < cache.layers.size(); ++i) {
-      if (cache.layers[i].state.empty()) continue;
+      if (cache.layers[i].attention()) continue;
       cache.draft[i].state.assign(cache.layers[i].state.begin(), cache.layers[i].state.end());
       cache.draft[i].conv.assign(cache.layers[i].conv.begin(), cache.layers[i].conv.end());
     }
@@ -142,14 +185,9 @@ class CpuBackend final : public Backend {
     const int T = draft_end(cache, n);
     if (n == T) return;
     const int keep_positions = cache.n_past() - (T - n);
-    const size_t row = static_cast<size_t>(c_.num_kv_heads) * c_.head_dim;
     for (size_t i = 0; i < cache.layers.size(); ++i) {
       auto& L = cache.layers[i];
-      if (L.state.empty()) {
-        L.k.resize(row * static_cast<size_t>(keep_positions));
-        L.v.resize(row * static_cast<size_t>(keep_positions));
-        continue;
-      }
+      if (L.attention()) continue;  // the rows past keep_positions are overwritten later
       const auto& D = cache.draft[i];
       L.state.assign(D.state.begin(), D.state.end());
       L.conv.assign(D.conv.begin(), D.conv.end());
@@ -230,11 +268,16 @@ class CpuBackend final : public Backend {
         cpu::rope_apply(kh, c_.rotary_dim, rc.data(), rs.data());
       }
     }
-    cache.k.insert(cache.k.end(), k.begin(), k.end());
-    cache.v.insert(cache.v.end(), v.begin(), v.end());
+    cache.k.ensure(n_past + T, n_past);
+    cache.v.ensure(n_past + T, n_past);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < nkv; ++h) {
+        std::copy_n(&k[t * kv_dim + h * hd], hd, cache.k.at(h, n_past + t));
+        std::copy_n(&v[t * kv_dim + h * hd], hd, cache.v.at(h, n_past + t));
+      }
     cpu::AttentionIO io{q.data(), static_cast<size_t>(q_dim), static_cast<size_t>(q_head),
-                        cache.k.data(), cache.v.data(), o.data(), static_cast<size_t>(nh * hd),
-                        T, n_past, nh, nkv, hd};
+                        cache.k.at(0, 0), cache.v.at(0, 0), size_t(cache.k.cap) * hd, size_t(hd),
+                        o.data(), static_cast<size_t>(nh * hd), T, n_past, nh, nkv, hd};
     cpu::attention(pool_, io);
     if (c_.attn_output_gate) {
       for (int t = 0; t < T; ++t)
