@@ -349,32 +349,16 @@ namespace simd_vnni {
 template <WeightFormat F>
 constexpr int kChunk = F == WeightFormat::Affine4 ? 128 : 64;  // columns per 64-byte load
 
-// n consecutive f32 / f16 / bf16 values from element `first`, as f32.
-void load_values(const uint8_t* p, DType dt, size_t first, size_t n, float* out) {
-  size_t i = 0;
-  if (dt == DType::BF16) {
-    for (; i + 16 <= n; i += 16) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * (first + i)));
-      _mm512_storeu_ps(out + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
-  } else if (dt == DType::F16) {
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(out + i,
-                       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * (first + i)))));
-  }
-  for (; i < n; ++i) out[i] = load_value(p, dt, first + i);
-}
-
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-// sum_i a[i] b[i] over n floats.
-inline float dot(const float* a, const float* b, size_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+// Up to 16 consecutive f32 / f16 / bf16 values from element `first`, as
+// f32 (lanes outside `mask` zero).
+inline __m512 load16(const uint8_t* p, DType dt, size_t first, __mmask16 mask) {
+  if (dt == DType::BF16)
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p + 2 * first)), 16));
+  if (dt == DType::F16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p + 2 * first));
+  return _mm512_maskz_loadu_ps(mask, p + 4 * first);
 }
 
 // Rows [r0, r1) against NT quantized input rows: xi (int8 codes, xi_stride
@@ -392,21 +376,27 @@ void rows(const Matrix& w, const int8_t* xi, size_t xi_stride, const float* xs, 
   for (int l = 0; l < 16; ++l) lane_group[l] = gs >= C ? 0 : l * per_lane / gs;
   const __m512i gidx = _mm512_load_si512(lane_group);
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  thread_local std::vector<float> ws, wb, comb;
-  ws.resize(groups);
-  wb.resize(groups);
+  thread_local std::vector<float> comb;
   comb.resize(size_t(NT) * (groups + 16));
   for (size_t r = r0; r < r1; ++r) {
     const uint8_t* src = w.data + row_bytes * r;
-    load_values(w.scales, w.scale_dtype, r * groups, groups, ws.data());
-    load_values(w.biases, w.scale_dtype, r * groups, groups, wb.data());
+    // Per group: weight scale x input scale (comb), and the bias term
+    // bias . sum(x), 16 groups at a time.
+    __m512 acc[NT], tailv[NT];
+    for (int t = 0; t < NT; ++t) tailv[t] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g += 16) {
+      const __mmask16 m = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      const __m512 wsv = load16(w.scales, w.scale_dtype, r * groups + g, m);
+      const __m512 wbv = load16(w.biases, w.scale_dtype, r * groups + g, m);
+      for (int t = 0; t < NT; ++t) {
+        _mm512_storeu_ps(&comb[size_t(t) * (groups + 16) + g],
+                         _mm512_mul_ps(wsv, _mm512_maskz_loadu_ps(m, xs + t * xs_stride + g)));
+        tailv[t] = _mm512_fmadd_ps(wbv, _mm512_maskz_loadu_ps(m, xsum + size_t(t) * groups + g), tailv[t]);
+      }
+    }
     float tail[NT];
-    __m512 acc[NT];
     for (int t = 0; t < NT; ++t) {
-      tail[t] = dot(wb.data(), xsum + size_t(t) * groups, groups);
-      float* c = &comb[size_t(t) * (groups + 16)];
-      const float* xst = xs + t * xs_stride;
-      for (int g = 0; g < groups; ++g) c[g] = ws[g] * xst[g];
+      tail[t] = hsum(tailv[t]);
       acc[t] = _mm512_setzero_ps();
     }
     for (int ch = 0; ch < chunks; ++ch) {
