@@ -104,7 +104,7 @@ struct BackendOptions {
   // Empty: the backend's default (cuda: LILY_CUDA_KV, else bf16).
   std::string kv_cache;
   // cpu: the inputs of quantized matmuls, "auto" (16-bit integer codes
-  // where the CPU has AVX-512 VNNI, else f32), "f32" (the reference
+  // where the CPU has AVX-512 VNNI or AVX2, else f32), "f32" (the reference
   // precision), "q16" or "q8".
   std::string cpu_act = "auto";
 };

@@ -29,7 +29,7 @@ const char kUsage[] =
     "            [--speculative N]  (draft up to N tokens by prompt lookup; docs/speculative.md)\n"
     "                                 OpenAI-compatible HTTP server (docs/server.md)\n"
     "\n"
-    "common options: --backend cpu, --threads N\n";
+    "common options: --backend cpu|cuda|auto, --threads N, --cpu-act auto|f32|q16|q8 (cpu inputs to 4/8-bit weights)\n";
 
 }  // namespace
 
