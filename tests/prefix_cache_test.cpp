@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "engine/generator.h"
 #include "engine/sequence.h"
+#include "engine_test_util.h"
 #include "fixture_util.h"
 #include "text/tokenizer.h"
 
@@ -129,16 +130,7 @@ TEST(PrefixCache, NeverEvictsTheEntryARequestBuildsOn) {
   EXPECT_NE(c.insert({1}, fake(96), {}, base), nullptr);
 }
 
-Backend& backend_for(const std::string& fixture) {
-  static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture];
-  if (!b) {
-    BackendOptions o;
-    o.threads = 2;
-    b = make_backend(load_model(fixture_dir(fixture)), o);
-  }
-  return *b;
-}
+Backend& backend_for(const std::string& fixture) { return test::fixture_backend(fixture); }
 
 // A pure-attention cache cut back to n continues exactly as one that only
 // ever held n positions; copies carry the whole state.
@@ -207,10 +199,7 @@ TEST(PrefixCache, HybridCachesOnlyReset) {
 
 // --- the generator --------------------------------------------------------
 
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer t = text::Tokenizer::from_dir(fixture_dir("tokenizer"));
-  return t;
-}
+const text::Tokenizer& tokenizer() { return test::fixture_tokenizer(); }
 
 struct Out {
   std::vector<int> ids;

@@ -17,6 +17,7 @@
 #include "engine/draft.h"
 #include "engine/generator.h"
 #include "engine/sequence.h"
+#include "engine_test_util.h"
 #include "fixture_util.h"
 #include "text/tokenizer.h"
 
@@ -74,17 +75,7 @@ TEST(PromptLookup, FollowsAGrowingHistoryAndRestartsOnAShorterOne) {
 
 // --- draft runs in the backends --------------------------------------------
 
-Backend& backend_for(const std::string& fixture) {
-  static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture];
-  if (!b) {
-    BackendOptions o;
-    o.threads = 2;
-    o.cpu_act = "f32";  // rows against steps to f32 rounding
-    b = make_backend(load_model(fixture_dir(fixture)), o);
-  }
-  return *b;
-}
+Backend& backend_for(const std::string& fixture) { return test::fixture_backend(fixture); }
 
 // The largest |a - b| relative to the largest |b|.
 float rel_diff(std::span<const float> a, std::span<const float> b) {
@@ -207,10 +198,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, DraftRun,
 
 // --- the generator --------------------------------------------------------
 
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer t = text::Tokenizer::from_dir(fixture_dir("tokenizer"));
-  return t;
-}
+const text::Tokenizer& tokenizer() { return test::fixture_tokenizer(); }
 
 struct Out {
   std::vector<int> ids;
