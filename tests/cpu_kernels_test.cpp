@@ -217,7 +217,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Q8Matmul,
                          ::testing::Values(std::make_tuple(4, 37, 256, 1, 64), std::make_tuple(4, 5, 128, 3, 32),
                                            std::make_tuple(4, 19, 384, 5, 128), std::make_tuple(4, 7, 512, 9, 256),
                                            std::make_tuple(4, 3, 128, 2, 16), std::make_tuple(4, 9, 192, 3, 64),
-                                           std::make_tuple(4, 6, 64, 4, 8), std::make_tuple(8, 29, 320, 2, 64),
+                                           std::make_tuple(4, 6, 64, 4, 8), std::make_tuple(4, 5, 1280, 2, 64),
+                                           std::make_tuple(8, 29, 320, 2, 64),
                                            std::make_tuple(8, 1, 64, 7, 16), std::make_tuple(8, 13, 256, 4, 128),
                                            std::make_tuple(8, 11, 192, 6, 32)));
 
