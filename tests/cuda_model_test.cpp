@@ -410,11 +410,11 @@ TEST(CudaModel, CacheCopiesAndTruncation) {
   }
 }
 
-// Speculative draft runs on the GPU (the Backend default: a copy of the
-// state before the run, the kept tokens run again where some are dropped):
-// the rows and the continuation after keeping n tokens are the decode
-// steps' (this backend's multi-token forward runs the decode step per token
-// here, so the same bits).
+// Speculative draft runs on the GPU without the prefill kernels (the Backend
+// default: a copy of the state before the run, the kept tokens run again
+// where some are dropped): the rows and the continuation after keeping n
+// tokens are the decode steps' (this backend's multi-token forward runs the
+// decode step per token here, so the same bits).
 TEST(CudaModel, DraftRunsKeepPrefixes) {
   LILY_SKIP_WITHOUT_GPU();
   for (const char* fixture : {"qwen3_5_moe", "qwen3"}) {
@@ -438,6 +438,63 @@ TEST(CudaModel, DraftRunsKeepPrefixes) {
       g.forward(*a, p.subspan(40, 1), LogitsMode::LastOnly, got.data());
       g.forward(*c, p.subspan(40, 1), LogitsMode::LastOnly, next.data());
       EXPECT_EQ(got, next) << "kept " << keep;
+    }
+  }
+}
+
+// Draft runs through the prefill kernels (CudaBackend's own forward_draft):
+// the rows are forward(All)'s on the same tokens, bit for bit; keeping n of
+// a run's 5 tokens (the DeltaNet state and conv ring restored, the kept
+// tokens' updates replayed from the recorded in_proj rows, the KV rows cut
+// back) leaves a cache whose next steps agree with one that ran only the
+// kept tokens (through the prefill kernels as one run: the same kernels
+// over fewer rows), within the prefill's own chunking differences, and
+// differ from one that kept the whole run.
+TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (const char* fixture : {"qwen3_5_moe", "qwen3_5", "qwen3"}) {
+    SCOPED_TRACE(fixture);
+    auto ref = load_reference(fixture, "long");
+    Backend& g = cuda_prefill_backend(fixture, 4096);
+    ASSERT_EQ(g.max_draft_run(), cuda::CudaBackend::kMaxDraftRun);
+    const int V = ref.vocab;
+    ASSERT_GE(ref.prompt.size(), 42u);
+    std::span<const int> p(ref.prompt);
+    std::vector<float> s(V), rows(5 * V), want(5 * V), got(2 * V), next(2 * V), all(2 * V);
+    auto two_steps = [&](SequenceCache& cache, float* out) {
+      g.forward(cache, p.subspan(40, 1), LogitsMode::LastOnly, out);
+      g.forward(cache, p.subspan(41, 1), LogitsMode::LastOnly, out + V);
+    };
+    for (int keep : {1, 2, 4, 5}) {
+      SCOPED_TRACE(keep);
+      auto a = g.new_cache(64), b = g.new_cache(64), c = g.new_cache(64);
+      for (auto* x : {a.get(), b.get(), c.get()}) g.forward(*x, p.subspan(0, 30), LogitsMode::LastOnly, s.data());
+      g.forward_draft(*a, p.subspan(30, 5), rows.data());
+      EXPECT_EQ(a->draft_pending(), 5);
+      g.forward(*b, p.subspan(30, 5), LogitsMode::All, want.data());
+      EXPECT_EQ(rows, want) << "rows";
+      g.accept_draft(*a, keep);
+      EXPECT_EQ(a->draft_pending(), 0);
+      EXPECT_EQ(a->n_past(), 30 + keep);
+      if (keep >= 2) {
+        g.forward_draft(*c, p.subspan(30, keep), rows.data());
+        g.accept_draft(*c, keep);
+      } else {
+        g.forward(*c, p.subspan(30, 1), LogitsMode::LastOnly, s.data());
+      }
+      two_steps(*a, got.data());
+      two_steps(*c, next.data());
+      two_steps(*b, all.data());
+      for (int t = 0; t < 2; ++t) {
+        const double e = row_err(&got[t * V], &next[t * V], V);
+        EXPECT_LE(e, 1e-2) << "step " << t;
+        if (keep == 5) EXPECT_EQ(std::vector<float>(&got[t * V], &got[(t + 1) * V]),
+                                 std::vector<float>(&all[t * V], &all[(t + 1) * V]));
+        else  // a cache that kept the whole run is far off: the check can fail
+          EXPECT_GT(row_err(&all[t * V], &next[t * V], V), 10 * std::max(e, 1e-3)) << "step " << t;
+        std::printf("[ cuda     ] %s draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
+                    fixture, keep, t, e);
+      }
     }
   }
 }

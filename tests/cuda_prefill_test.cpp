@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <tuple>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -902,9 +903,14 @@ TEST(CudaPrefillDeltaNet, GatedRmsNormMatchesCpu) {
 
 // ---- attention --------------------------------------------------------------------
 
-void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, int nkv = 2, int hd = 256) {
+// split: give the launcher the workspace of the split form (few queries
+// over a long context), and require that it is taken.
+// q8: the cache's rows as q8 codes and scales (kv_type.h), read in place
+// (split form only); the reference takes the rows' q8 values.
+void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, int nkv = 2, int hd = 256,
+                        bool split = false, bool q8 = false) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " P " << P << " gated " << gated << " nh " << nh
-                                    << " nkv " << nkv << " head_dim " << hd);
+                                    << " nkv " << nkv << " head_dim " << hd << " split " << split << " q8 " << q8);
   Rng r(seed);
   const int cap = P + T + 5;
   const size_t q_row = size_t(nh) * 2 * hd, q_head = 2 * hd;  // the q_proj layout: [query | gate] per head
@@ -913,6 +919,25 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, in
   random_bf16(r, size_t(T) * q_row, 1.f, qb, qf);
   random_bf16(r, size_t(nkv) * cap * hd, 1.f, kb, kf);
   random_bf16(r, size_t(nkv) * cap * hd, 1.f, vb, vf);
+  const int sst = (cap + 7) / 8 * 8;
+  std::vector<uint8_t> kq(kf.size()), vq(vf.size());
+  std::vector<float> ksc(size_t(nkv) * sst), vsc(ksc.size());
+  if (q8) {  // m = max |x|, s = m / 127, code = rn(x 127 / m) + 128; the values (code - 128) s
+    for (auto [f, q, sc] : {std::tuple{&kf, &kq, &ksc}, std::tuple{&vf, &vq, &vsc}})
+      for (int h = 0; h < nkv; ++h)
+        for (int pos = 0; pos < cap; ++pos) {
+          float* x = &(*f)[(size_t(h) * cap + pos) * hd];
+          float m = 0.f;
+          for (int i = 0; i < hd; ++i) m = std::max(m, std::fabs(x[i]));
+          const float inv = m > 0.f ? 127.f / m : 0.f, st = m / 127.f;
+          for (int i = 0; i < hd; ++i) {
+            const long c = std::clamp(std::lrint(x[i] * inv), -127l, 127l);
+            (*q)[(size_t(h) * cap + pos) * hd + i] = static_cast<uint8_t>(c + 128);
+            x[i] = float(c) * st;
+          }
+          (*sc)[size_t(h) * sst + pos] = st;
+        }
+  }
   std::vector<float> ref(size_t(T) * nh * hd);
   const double scale = 1.0 / std::sqrt(double(hd));
   std::vector<double> sc(P + T);
@@ -957,14 +982,30 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, in
   a.capacity = cap;
   a.out = out.as<uint16_t>();
   a.out_row_stride = out_row;
+  Dev ws(split ? prefill_attention_workspace_bytes(nh, nkv, hd) : 0);
+  Dev dkq = upload(kq), dvq = upload(vq), dks = upload(ksc), dvs = upload(vsc);
+  if (q8) {
+    a.k_cache = a.v_cache = nullptr;
+    a.k_q8 = dkq.as<uint8_t>();
+    a.v_q8 = dvq.as<uint8_t>();
+    a.k_scale = dks.as<float>();
+    a.v_scale = dvs.as<float>();
+    a.scale_stride = sst;
+  }
+  if (split) {
+    ck(cudaMemset(ws.p, 0xFF, ws.bytes), "memset");  // NaN: nothing may read what was not written
+    a.workspace = ws.p;
+    a.workspace_bytes = ws.bytes;
+  }
+  EXPECT_EQ(prefill_attention_splits(a) > 0, split && T * (nh / nkv) <= 128);
   prefill_attention(a, nullptr);
   auto h = download<uint16_t>(out, size_t(T) * out_row);
   std::vector<float> got(ref.size());
   for (int t = 0; t < T; ++t)
     for (int i = 0; i < nh * hd; ++i) got[size_t(t) * nh * hd + i] = bf16_to_f32(h[size_t(t) * out_row + i]);
   const double e = rel_err(got, ref);
-  std::printf("  attention hd=%d nh=%d nkv=%d T=%d P=%d gated=%d: rel err %.3g\n", hd, nh, nkv, T, P,
-              int(gated), e);
+  std::printf("  attention hd=%d nh=%d nkv=%d T=%d P=%d gated=%d splits=%d: rel err %.3g\n", hd, nh, nkv, T, P,
+              int(gated), prefill_attention_splits(a), e);
   // P is rounded to bf16 before P.V (2^-9 relative per weight) and the output
   // to bf16 (2^-9): a few 1e-3.
   EXPECT_LT(e, 1e-2);
@@ -1002,6 +1043,58 @@ TEST(CudaPrefillAttention, HeadDim64MatchesCpu) {
 TEST(CudaPrefillAttention, HeadDim128MatchesCpu) {
   REQUIRE_GPU();
   run_attention_small(128, 8, 4, 86);
+}
+
+// The split form: T x group <= 128 query rows for one KV head per block over
+// a range of key tiles, merged by a second launch. Runs of 1-16 tokens
+// (T x 8 up to the whole 128-row tile) after 0 to 4,000 cached positions
+// (one key tile to 63 ranges; ranges past some of the queries' positions),
+// each head dim, groups of 2-8 query heads.
+TEST(CudaPrefillAttention, SplitFormMatchesCpu) {
+  REQUIRE_GPU();
+  run_attention_case(1, 0, true, 90, 16, 2, 256, true);
+  run_attention_case(2, 4000, true, 91, 16, 2, 256, true);
+  run_attention_case(5, 131, false, 92, 16, 2, 256, true);
+  run_attention_case(16, 1000, true, 93, 16, 2, 256, true);
+  run_attention_case(9, 61, true, 94, 16, 2, 256, true);
+  run_attention_case(3, 700, true, 95, 4, 2, 32, true);
+  run_attention_case(37, 300, false, 96, 6, 2, 64, true);
+  run_attention_case(7, 2500, true, 97, 8, 4, 128, true);
+  // Past 128 query rows per KV head the whole-context kernel runs even with
+  // the workspace.
+  run_attention_case(17, 200, true, 98, 16, 2, 256, true);
+  // A q8 cache read in place.
+  run_attention_case(1, 0, true, 100, 16, 2, 256, true, true);
+  run_attention_case(4, 3000, true, 101, 16, 2, 256, true, true);
+  run_attention_case(16, 77, false, 102, 16, 2, 256, true, true);
+  run_attention_case(5, 500, true, 103, 4, 2, 32, true, true);
+  run_attention_case(6, 900, false, 104, 8, 4, 128, true, true);
+  run_attention_case(3, 129, true, 105, 6, 2, 64, true, true);
+}
+
+// The whole-context kernel cannot read a q8 cache: refused, not misread.
+TEST(CudaPrefillAttention, RefusesQ8WithoutTheSplitForm) {
+  REQUIRE_GPU();
+  PrefillAttentionArgs a;
+  a.T = 40;  // 40 x 8 rows > 128
+  a.first_position = 10;
+  a.nh = 16;
+  a.nkv = 2;
+  a.head_dim = 256;
+  Dev q(size_t(40) * 16 * 512 * 2), kq(size_t(2) * 64 * 256), ks(2 * 64 * 4), out(size_t(40) * 16 * 256 * 2);
+  Dev ws(prefill_attention_workspace_bytes(16, 2, 256));
+  a.q = q.as<uint16_t>();
+  a.q_row_stride = 16 * 512;
+  a.q_head_stride = 512;
+  a.k_q8 = a.v_q8 = kq.as<uint8_t>();
+  a.k_scale = a.v_scale = ks.as<float>();
+  a.scale_stride = 64;
+  a.capacity = 64;
+  a.out = out.as<uint16_t>();
+  a.out_row_stride = 16 * 256;
+  a.workspace = ws.p;
+  a.workspace_bytes = ws.bytes;
+  EXPECT_THROW(prefill_attention(a, nullptr), Error);
 }
 
 TEST(CudaPrefillAttention, RejectsUnsupportedHeadDim) {

@@ -183,6 +183,17 @@ class CudaCache final : public SequenceCache {
   void set_n_past(int n) { n_past_ = n; }
   void advance(int n) { n_past_ += n; }
 
+  // A pending draft run (CudaBackend::forward_draft): its first position and
+  // tokens, and per DeltaNet layer the state and conv ring before it and the
+  // run's in_proj rows ([kMaxDraftRun][ld_proj] floats), allocated on the
+  // first run. Not part of the sequence: clones and copies leave them out.
+  struct DraftRecord {
+    bool active = false;  // the pending run is this record's (else the Backend default's)
+    int p0 = 0;
+    std::vector<int> tokens;
+    std::vector<DeviceBuffer> state, conv, proj;
+  } draft;
+
   // Buffers of the same layout as this cache's, with room for `cap` positions
   // (KV rows zeroed: the attention reads whole tiles, masked, so rows past
   // the end must hold finite values).
@@ -281,6 +292,8 @@ struct CudaBackend::Impl {
   // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
   // pTok holds a whole forward's token ids.
   DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  // The prefill attention's split form (few queries over a long context).
+  DeviceBuffer pAttnWs;
   // q8 KV: one layer's K and V rows in bf16 for the prefill attention,
   // [K, V][nkv][pKvCap][head_dim], grown to the cache's capacity.
   DeviceBuffer pKv;
@@ -292,6 +305,43 @@ struct CudaBackend::Impl {
   int p_rows = 0, auto_chunk = 0;
   size_t p_ld_act = 0, p_ld_proj = 0, p_ld_qg = 0;
   static constexpr int kLogitRows = 256;  // LogitsMode::All: rows of logits per lm_head GEMM
+  // LILY_CUDA_PREFILL_MARKS=1 (benchmarks): events between the prefill's
+  // stages, their times summed over the layers and printed to stderr per
+  // forward (where the time of a short run goes).
+  struct StageMarks {
+    bool on = false;
+    std::vector<cudaEvent_t> ev;
+    std::vector<const char*> name;  // the stage that ends at ev[i]
+    size_t n = 0;
+    void mark(const char* stage, cudaStream_t s) {
+      if (!on) return;
+      if (n == ev.size()) {
+        ev.emplace_back();
+        LILY_CUDA(cudaEventCreate(&ev.back()));
+        name.push_back(nullptr);
+      }
+      name[n] = stage;
+      LILY_CUDA(cudaEventRecord(ev[n++], s));
+    }
+    void report(int T, cudaStream_t s) {
+      if (!on || n < 2) return;
+      LILY_CUDA(cudaStreamSynchronize(s));
+      std::vector<std::pair<std::string, double>> sum;
+      double total = 0;
+      for (size_t i = 1; i < n; ++i) {
+        float ms = 0;
+        LILY_CUDA(cudaEventElapsedTime(&ms, ev[i - 1], ev[i]));
+        total += ms;
+        auto it = std::find_if(sum.begin(), sum.end(), [&](const auto& e) { return e.first == name[i]; });
+        if (it == sum.end()) sum.emplace_back(name[i], ms);
+        else it->second += ms;
+      }
+      std::string line = str_cat("prefill marks T=", T, ": total ", total, " ms");
+      for (const auto& [k, v] : sum) line += str_cat(" | ", k, " ", v);
+      std::fprintf(stderr, "%s\n", line.c_str());
+      n = 0;
+    }
+  } marks;
 
   ~Impl() {
     if (stream) cudaStreamDestroy(stream);
@@ -1039,6 +1089,11 @@ struct CudaBackend::Impl {
     }
     pLogits.alloc(z.logits);
     if (z.wx > pWx.bytes()) pWx.alloc(z.wx);
+    if (!pAttnWs) {
+      bool attn = false;
+      for (LayerKind k : c.layer_kinds) attn = attn || k == LayerKind::FullAttention;
+      if (attn) pAttnWs.alloc(prefill_attention_workspace_bytes(c.num_heads, c.num_kv_heads, c.head_dim));
+    }
     p_rows = rows;
   }
 
@@ -1065,57 +1120,88 @@ struct CudaBackend::Impl {
 
   // Tokens (device ids) at positions [P, P + T) through every layer; the
   // residual stream ends in pX. Enqueue only.
-  void prefill_layers(CudaCache& cache, const int* tokens, int T, int P) {
+  // The prefill DeltaNet of layer l over T in_proj rows at Pj (row stride
+  // p_ld_proj: qkv | z | b | a) at positions [P, P + T), into pDn.
+  PrefillDeltaNetArgs deltanet_args(CudaCache& cache, int l, const float* Pj, int T, int P) {
+    const LayerDev& D = layers[l];
+    const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
+    PrefillDeltaNetArgs a;
+    a.T = T;
+    a.first_position = P;
+    a.nk = c.linear_num_key_heads;
+    a.nv = nv;
+    a.dk = c.linear_key_head_dim;
+    a.dv = c.linear_value_head_dim;
+    a.conv_kernel = c.linear_conv_kernel;
+    a.qkv = Pj;
+    a.ld_qkv = p_ld_proj;
+    a.b = Pj + C + V;
+    a.a = Pj + C + V + nv;
+    a.ld_ab = p_ld_proj;
+    a.conv_w = D.conv_w.as<float>();
+    a.conv_ring = cache.conv[l].as<float>();
+    a.a_log = D.a_log.as<float>();
+    a.dt_bias = D.dt_bias.as<float>();
+    a.state = cache.state[l].as<float>();
+    a.out = pDn.as<float>();
+    a.ld_out = V;
+    a.workspace = pDnWs.get();
+    a.workspace_bytes = pDnWs.bytes();
+    return a;
+  }
+
+  // Writes the control block: the next step is at position pos after `token`.
+  void set_ctrl(CudaCache& cache, int pos, int token) {
+    const size_t off = 0;
+    pinned.ensure(off + sizeof(DecodeCtrl));
+    auto* h = reinterpret_cast<DecodeCtrl*>(pinned.as<char>() + off);
+    *h = DecodeCtrl{};
+    h->pos = pos;
+    h->token = token;
+    LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), h, sizeof(DecodeCtrl), cudaMemcpyHostToDevice, stream));
+    LILY_CUDA(cudaStreamSynchronize(stream));  // the pinned block is reused
+  }
+
+  // record: the DeltaNet layers' in_proj rows go to cache.draft.proj[l]
+  // instead of the shared workspace (a draft run's replay input).
+  void prefill_layers(CudaCache& cache, const int* tokens, int T, int P, bool record = false) {
     cudaStream_t s = stream;
     const int H = c.hidden_size;
     const float eps = c.rms_norm_eps;
     float* X = pX.as<float>();
     uint16_t* Xn = pXn.as<uint16_t>();
     uint16_t* A = pAct.as<uint16_t>();
-    float* Pj = pProj.as<float>();
     const size_t lda = p_ld_act, ldp = p_ld_proj;
     const PrefillScratch p_scr{pWx.get(), pWx.bytes()};  // empty below 1024-token chunks
+    marks.mark("start", s);
     launch_embed_rows(embed.v, tokens, T, X, H, s);
+    marks.mark("embed", s);
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerDev& D = layers[l];
       const PrefillLayer& W = pl[l];
       prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
+      marks.mark("norms", s);
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
+        float* Pj = record ? cache.draft.proj[l].as<float>() : pProj.as<float>();
         // qkv | z | b | a side by side in Pj.
         const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
         prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
-        PrefillDeltaNetArgs a;
-        a.T = T;
-        a.first_position = P;
-        a.nk = c.linear_num_key_heads;
-        a.nv = nv;
-        a.dk = c.linear_key_head_dim;
-        a.dv = c.linear_value_head_dim;
-        a.conv_kernel = c.linear_conv_kernel;
-        a.qkv = Pj;
-        a.ld_qkv = ldp;
-        a.b = Pj + C + V;
-        a.a = Pj + C + V + nv;
-        a.ld_ab = ldp;
-        a.conv_w = D.conv_w.as<float>();
-        a.conv_ring = cache.conv[l].as<float>();
-        a.a_log = D.a_log.as<float>();
-        a.dt_bias = D.dt_bias.as<float>();
-        a.state = cache.state[l].as<float>();
-        a.out = pDn.as<float>();
-        a.ld_out = V;
-        a.workspace = pDnWs.get();
-        a.workspace_bytes = pDnWs.bytes();
-        prefill_deltanet(a, s);
+        marks.mark("dn in_proj", s);
+        prefill_deltanet(deltanet_args(cache, l, Pj, T, P), s);
+        marks.mark("dn core", s);
         prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
                               c.linear_value_head_dim, eps, A, lda, s);
+        marks.mark("dn gated norm", s);
         prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
+        marks.mark("dn out_proj", s);
       } else {
+        float* Pj = pProj.as<float>();
         const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
         const int qdim = c.num_heads * qhs;
         const PrefillWeight qkv[3] = {W.q, W.k, W.v};  // q | k | v side by side in Pj
         prefill_gemm_fused(qkv, 3, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        marks.mark("attn qkv", s);
         AttnPrepParams ap;
         ap.proj = Pj;
         ap.ld_proj = ldp;
@@ -1134,7 +1220,8 @@ struct CudaBackend::Impl {
         ap.qg = pQg.as<uint16_t>();
         // A q8 cache: the attention reads bf16 rows [0, P + T) of a scratch
         // (the cache's rows before P expanded, the new ones rounded through q8
-        // as the decode step reads them).
+        // as the decode step reads them), or, for a short run, the q8 rows
+        // in place (no expansion).
         const bool q8 = cache.kv == KvType::Q8;
         uint16_t* kb = q8 ? pKv.as<uint16_t>() : cache.k[l].as<uint16_t>();
         uint16_t* vb = q8 ? kb + size_t(c.num_kv_heads) * pKvCap * hd : cache.v[l].as<uint16_t>();
@@ -1143,7 +1230,17 @@ struct CudaBackend::Impl {
                           q8_scale_stride(cache.capacity)};
         const KvQ8Rows qv{cache.v[l].as<uint8_t>(), cache.scales(cache.v[l]), cache.capacity,
                           q8_scale_stride(cache.capacity)};
-        if (q8 && P > 0) {
+        PrefillAttentionArgs aa;
+        aa.T = T;
+        aa.first_position = P;
+        aa.nh = c.num_heads;
+        aa.nkv = c.num_kv_heads;
+        aa.head_dim = hd;
+        aa.workspace = pAttnWs.get();
+        aa.workspace_bytes = pAttnWs.bytes();
+        // A short run (the split form) reads the q8 rows in place instead.
+        const bool q8_direct = q8 && prefill_attention_splits(aa) > 0;
+        if (q8 && P > 0 && !q8_direct) {
           launch_kv_q8_expand(qk, c.num_kv_heads, hd, 0, P, kb, bcap, s);
           launch_kv_q8_expand(qv, c.num_kv_heads, hd, 0, P, vb, bcap, s);
         }
@@ -1155,28 +1252,36 @@ struct CudaBackend::Impl {
           launch_kv_q8_store(kb, bcap, c.num_kv_heads, hd, P, P + T, qk, s);
           launch_kv_q8_store(vb, bcap, c.num_kv_heads, hd, P, P + T, qv, s);
         }
-        PrefillAttentionArgs aa;
-        aa.T = T;
-        aa.first_position = P;
-        aa.nh = c.num_heads;
-        aa.nkv = c.num_kv_heads;
-        aa.head_dim = hd;
         aa.q = pQg.as<uint16_t>();
         aa.gate = c.attn_output_gate ? pQg.as<uint16_t>() + hd : nullptr;
         aa.q_row_stride = size_t(qdim);
         aa.q_head_stride = size_t(qhs);
-        aa.k_cache = kb;
-        aa.v_cache = vb;
-        aa.capacity = bcap;
+        if (q8_direct) {
+          aa.k_q8 = qk.rows;
+          aa.v_q8 = qv.rows;
+          aa.k_scale = qk.scales;
+          aa.v_scale = qv.scales;
+          aa.scale_stride = qk.scale_stride;
+          aa.capacity = cache.capacity;
+        } else {
+          aa.k_cache = kb;
+          aa.v_cache = vb;
+          aa.capacity = bcap;
+        }
         aa.out = A;
         aa.out_row_stride = lda;
+        marks.mark("attn prep+kv", s);
         prefill_attention(aa, s);
+        marks.mark("attention", s);
         prefill_gemm(W.o, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
+        marks.mark("attn o_proj", s);
       }
       prefill_rmsnorm(X, H, D.post_norm.as<float>(), T, H, eps, Xn, H, s);
+      marks.mark("norms", s);
       if (!D.is_moe) {
         prefill_gemm_swiglu(W.mlp_gate, W.mlp_up, Xn, T, H, A, lda, s, p_scr);
         prefill_gemm(W.mlp_down, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
+        marks.mark("dense mlp", s);
         continue;
       }
       // Router logits [T][E] and the shared expert's gate logit beside them
@@ -1185,6 +1290,7 @@ struct CudaBackend::Impl {
       const size_t ldr = size_t(E) + 1;
       const PrefillWeight rg[2] = {W.router, W.shared_gate};
       prefill_gemm_fused(rg, D.has_shared ? 2 : 1, Xn, T, H, pRl.as<float>(), ldr, PrefillOut::F32, s, p_scr);
+      marks.mark("router", s);
       PrefillMoeArgs m;
       m.T = T;
       m.E = E;
@@ -1202,6 +1308,7 @@ struct CudaBackend::Impl {
       if (D.has_shared) {
         prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s, p_scr);
         prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s, p_scr);
+        marks.mark("shared expert", s);
         m.shared_out = pSo.as<float>();
         m.ld_shared = H;
         m.shared_gate_logit = pRl.as<float>() + E;
@@ -1213,6 +1320,7 @@ struct CudaBackend::Impl {
       m.workspace = pMoeWs.get();
       m.workspace_bytes = pMoeWs.bytes();
       prefill_moe(m, s);
+      marks.mark("routed experts", s);
     }
   }
 
@@ -1254,7 +1362,9 @@ struct CudaBackend::Impl {
 
   // Appends `tokens` (>= 2) with the prefill kernels, in chunks of at most
   // opt.prefill_chunk tokens; leaves the control block at the next position.
-  void prefill(CudaCache& cache, std::span<const int> tokens, LogitsMode mode, float* out_logits) {
+  // record: a draft run (one chunk; see prefill_layers).
+  void prefill(CudaCache& cache, std::span<const int> tokens, LogitsMode mode, float* out_logits,
+               bool record = false) {
     const int T = static_cast<int>(tokens.size()), V = c.vocab_size;
     const int chunk = prefill_chunk();
     const int P0 = cache.n_past();
@@ -1277,9 +1387,11 @@ struct CudaBackend::Impl {
     LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens, size_t(T) * sizeof(int), cudaMemcpyHostToDevice, stream));
     for (int t0 = 0; t0 < T; t0 += chunk) {
       const int n = std::min(chunk, T - t0);
-      prefill_layers(cache, pTok.as<int>() + t0, n, P0 + t0);
+      prefill_layers(cache, pTok.as<int>() + t0, n, P0 + t0, record);
       if (mode == LogitsMode::All) all_logits(n, out_logits + size_t(t0) * V);
       else if (t0 + n == T) row_logits(n - 1, out_logits);
+      marks.mark("logits", stream);
+      marks.report(n, stream);
     }
     DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(reinterpret_cast<char*>(pinned.as<char>()) + ctrl_off);
     *h = DecodeCtrl{};
@@ -1304,6 +1416,7 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   m.upload_weights(*weights);
   m.alloc_workspace();
   m.setup_prefill();
+  if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   weights.reset();  // the device holds everything now
 }
 
@@ -1381,6 +1494,82 @@ void CudaBackend::truncate(SequenceCache& base, int n) {
   LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), &ctrl, sizeof ctrl, cudaMemcpyHostToDevice, m.stream));
   LILY_CUDA(cudaStreamSynchronize(m.stream));
   cache.set_n_past(n);
+}
+
+int CudaBackend::max_draft_run() const { return impl_->prefill_ok ? kMaxDraftRun : 1; }
+
+void CudaBackend::forward_draft(SequenceCache& base, std::span<const int> tokens, float* logits) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  const int T = static_cast<int>(tokens.size());
+  if (cache.draft_pending()) fail("internal: forward_draft while a draft run is not yet settled");
+  cache.draft.active = false;
+  if (T == 1) {  // nothing to return to: a decode step
+    forward(cache, tokens, LogitsMode::All, logits);
+    draft_begin(cache, 1);
+    return;
+  }
+  if (!m.prefill_ok || T < 1 || T > kMaxDraftRun || T > m.prefill_chunk()) {
+    Backend::forward_draft(base, tokens, logits);
+    return;
+  }
+  const int V = m.c.vocab_size;
+  for (int t : tokens)
+    if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  m.ensure_capacity(cache, cache.n_past() + T);
+  m.ensure_prefill_rows(T);
+  auto& d = cache.draft;
+  const size_t L = cache.state.size();
+  d.state.resize(L);
+  d.conv.resize(L);
+  d.proj.resize(L);
+  for (size_t l = 0; l < L; ++l) {
+    if (!cache.state[l]) continue;
+    if (!d.state[l]) d.state[l].alloc(cache.state[l].bytes());
+    if (!d.conv[l]) d.conv[l].alloc(cache.conv[l].bytes());
+    const size_t pb = size_t(kMaxDraftRun) * m.p_ld_proj * sizeof(float);
+    if (d.proj[l].bytes() < pb) d.proj[l].alloc(pb);
+    LILY_CUDA(cudaMemcpyAsync(d.state[l].get(), cache.state[l].get(), cache.state[l].bytes(),
+                              cudaMemcpyDeviceToDevice, m.stream));
+    LILY_CUDA(cudaMemcpyAsync(d.conv[l].get(), cache.conv[l].get(), cache.conv[l].bytes(),
+                              cudaMemcpyDeviceToDevice, m.stream));
+  }
+  d.p0 = cache.n_past();
+  d.tokens.assign(tokens.begin(), tokens.end());
+  m.prefill(cache, tokens, LogitsMode::All, logits, /*record=*/true);
+  cache.advance(T);
+  draft_begin(cache, T);
+  d.active = true;
+}
+
+void CudaBackend::accept_draft(SequenceCache& base, int n) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  auto& d = cache.draft;
+  if (cache.draft_pending() >= 2 && !d.active) {
+    Backend::accept_draft(base, n);  // the run took the default path
+    return;
+  }
+  const int T = draft_end(cache, n);
+  d.active = false;
+  if (n == T) return;
+  // Back to the run's first n tokens: the DeltaNet layers' state and conv
+  // ring as before the run, then the kept tokens' updates from their
+  // recorded in_proj rows (outputs unused); the KV rows past them are
+  // overwritten before they are read.
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  for (size_t l = 0; l < cache.state.size(); ++l) {
+    if (!cache.state[l]) continue;
+    LILY_CUDA(cudaMemcpyAsync(cache.state[l].get(), d.state[l].get(), cache.state[l].bytes(),
+                              cudaMemcpyDeviceToDevice, m.stream));
+    LILY_CUDA(cudaMemcpyAsync(cache.conv[l].get(), d.conv[l].get(), cache.conv[l].bytes(),
+                              cudaMemcpyDeviceToDevice, m.stream));
+    prefill_deltanet(m.deltanet_args(cache, static_cast<int>(l), d.proj[l].as<float>(), n, d.p0), m.stream);
+  }
+  cache.set_n_past(d.p0 + n);
+  m.set_ctrl(cache, d.p0 + n, d.tokens[n - 1]);
+  d.tokens.clear();
 }
 
 void CudaBackend::bench_fill(SequenceCache& base, int ctx, uint64_t seed) {

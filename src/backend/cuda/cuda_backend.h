@@ -94,6 +94,15 @@ class CudaBackend : public Backend {
                float* logits) override;
   void copy_cache(const SequenceCache& src, SequenceCache& dst) override;
   void truncate(SequenceCache& cache, int n) override;
+  // Draft runs of 2..kMaxDraftRun tokens take the prefill kernels and keep,
+  // per DeltaNet layer, the state and conv ring before the run and the run's
+  // in_proj rows; accept_draft restores those and replays the kept tokens'
+  // DeltaNet updates (the KV rows are cut back). Without the prefill
+  // kernels: the Backend default.
+  void forward_draft(SequenceCache& cache, std::span<const int> tokens, float* logits) override;
+  void accept_draft(SequenceCache& cache, int n) override;
+  int max_draft_run() const override;
+  static constexpr int kMaxDraftRun = 16;
 
   // ---- benchmark hooks ----
   // Puts the cache at position `ctx` as if a prompt of that length had been

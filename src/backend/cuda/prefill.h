@@ -178,9 +178,30 @@ struct PrefillAttentionArgs {
   const uint16_t* k_cache = nullptr;
   const uint16_t* v_cache = nullptr;
   int capacity = 0;
+  // Or a q8 cache read in place (kv_type.h: codes [nkv][capacity][head_dim],
+  // scales [nkv][scale_stride]), k_cache / v_cache unused: the split form
+  // only (prefill_attention_splits > 0; otherwise an error).
+  const uint8_t* k_q8 = nullptr;
+  const uint8_t* v_q8 = nullptr;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int scale_stride = 0;
   uint16_t* out = nullptr;  // bf16 [T][out_row_stride], head h at h * head_dim
   size_t out_row_stride = 0;
+  // Optional (prefill_attention_workspace_bytes): with T x (nh / nkv) <= 128
+  // query rows (a short run after a long context: a draft run, a follow-up
+  // turn's few tokens), one block per (key range, KV head) takes every query
+  // row of the KV head's group, and a second launch merges the key ranges;
+  // without it (or with more rows) one block per (128 queries, query head)
+  // walks all keys.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream);
+// Workspace for the split form at any T it takes.
+size_t prefill_attention_workspace_bytes(int nh, int nkv, int head_dim);
+// Key ranges the split form uses for these arguments (0: the whole-context
+// kernel runs).
+int prefill_attention_splits(const PrefillAttentionArgs& a);
 
 }  // namespace lily::cuda
