@@ -997,7 +997,7 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, in
     a.workspace = ws.p;
     a.workspace_bytes = ws.bytes;
   }
-  EXPECT_EQ(prefill_attention_splits(a) > 0, split && T * (nh / nkv) <= 128);
+  EXPECT_EQ(prefill_attention_splits(a) > 0, split && T * (nh / nkv) <= 512);
   prefill_attention(a, nullptr);
   auto h = download<uint16_t>(out, size_t(T) * out_row);
   std::vector<float> got(ref.size());
@@ -1045,9 +1045,9 @@ TEST(CudaPrefillAttention, HeadDim128MatchesCpu) {
   run_attention_small(128, 8, 4, 86);
 }
 
-// The split form: T x group <= 128 query rows for one KV head per block over
-// a range of key tiles, merged by a second launch. Runs of 1-16 tokens
-// (T x 8 up to the whole 128-row tile) after 0 to 4,000 cached positions
+// The split form: 128 of a KV head's T x group <= 512 query rows per block
+// over a range of key tiles, merged by a second launch. Runs of 1-64 tokens
+// (T x 8 up to four whole 128-row blocks) after 0 to 4,000 cached positions
 // (one key tile to 63 ranges; ranges past some of the queries' positions),
 // each head dim, groups of 2-8 query heads.
 TEST(CudaPrefillAttention, SplitFormMatchesCpu) {
@@ -1060,9 +1060,13 @@ TEST(CudaPrefillAttention, SplitFormMatchesCpu) {
   run_attention_case(3, 700, true, 95, 4, 2, 32, true);
   run_attention_case(37, 300, false, 96, 6, 2, 64, true);
   run_attention_case(7, 2500, true, 97, 8, 4, 128, true);
-  // Past 128 query rows per KV head the whole-context kernel runs even with
+  run_attention_case(17, 200, true, 98, 16, 2, 256, true);   // two row blocks, the second one row
+  run_attention_case(33, 2100, false, 99, 16, 2, 256, true);
+  run_attention_case(64, 640, true, 106, 16, 2, 256, true);  // four whole row blocks
+  run_attention_case(50, 90, true, 107, 8, 4, 128, true);
+  // Past 512 query rows per KV head the whole-context kernel runs even with
   // the workspace.
-  run_attention_case(17, 200, true, 98, 16, 2, 256, true);
+  run_attention_case(65, 300, true, 108, 16, 2, 256, true);
   // A q8 cache read in place.
   run_attention_case(1, 0, true, 100, 16, 2, 256, true, true);
   run_attention_case(4, 3000, true, 101, 16, 2, 256, true, true);
@@ -1076,20 +1080,20 @@ TEST(CudaPrefillAttention, SplitFormMatchesCpu) {
 TEST(CudaPrefillAttention, RefusesQ8WithoutTheSplitForm) {
   REQUIRE_GPU();
   PrefillAttentionArgs a;
-  a.T = 40;  // 40 x 8 rows > 128
+  a.T = 80;  // 80 x 8 rows > 512
   a.first_position = 10;
   a.nh = 16;
   a.nkv = 2;
   a.head_dim = 256;
-  Dev q(size_t(40) * 16 * 512 * 2), kq(size_t(2) * 64 * 256), ks(2 * 64 * 4), out(size_t(40) * 16 * 256 * 2);
+  Dev q(size_t(80) * 16 * 512 * 2), kq(size_t(2) * 128 * 256), ks(2 * 128 * 4), out(size_t(80) * 16 * 256 * 2);
   Dev ws(prefill_attention_workspace_bytes(16, 2, 256));
   a.q = q.as<uint16_t>();
   a.q_row_stride = 16 * 512;
   a.q_head_stride = 512;
   a.k_q8 = a.v_q8 = kq.as<uint8_t>();
   a.k_scale = a.v_scale = ks.as<float>();
-  a.scale_stride = 64;
-  a.capacity = 64;
+  a.scale_stride = 128;
+  a.capacity = 128;
   a.out = out.as<uint16_t>();
   a.out_row_stride = 16 * 256;
   a.workspace = ws.p;

@@ -188,12 +188,12 @@ struct PrefillAttentionArgs {
   int scale_stride = 0;
   uint16_t* out = nullptr;  // bf16 [T][out_row_stride], head h at h * head_dim
   size_t out_row_stride = 0;
-  // Optional (prefill_attention_workspace_bytes): with T x (nh / nkv) <= 128
+  // Optional (prefill_attention_workspace_bytes): with T x (nh / nkv) <= 512
   // query rows (a short run after a long context: a draft run, a follow-up
-  // turn's few tokens), one block per (key range, KV head) takes every query
-  // row of the KV head's group, and a second launch merges the key ranges;
-  // without it (or with more rows) one block per (128 queries, query head)
-  // walks all keys.
+  // turn's few tokens), one block per (key range, KV head, 128 of the
+  // group's query rows) and a second launch merges the key ranges; without
+  // it (or with more rows) one block per (128 queries, query head) walks
+  // all keys.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

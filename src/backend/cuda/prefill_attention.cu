@@ -246,11 +246,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_kernel(const AttnParams 
 }
 
 // ---- Few queries over a long context: split over the keys ---------------------
-// For T x G <= 128 query rows (G query heads per KV head), one block takes
-// all of them for one KV head, rows r = t G + (head within the group), and
+// For T x G <= 512 query rows (G query heads per KV head), one block takes
+// 128 of them for one KV head, rows R = t G + (head within the group), and
 // one range of key tiles (a split): each K/V row is read once per KV head
-// instead of once per query head, and the context is spread over
-// splits x nkv blocks instead of walked by nh blocks. Each block writes its
+// and row block instead of once per query head, and the context is spread
+// over splits x nkv x row blocks instead of walked by nh blocks. Each block writes its
 // rows' unnormalised o with their (max, sum) in base 2; the combine kernel
 // merges the splits, divides, applies the gate and rounds to bf16.
 struct AttnSplitParams {
@@ -307,7 +307,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
   uint16_t* Vs = Ks + 2 * kBNk * kHD;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split = blockIdx.x, kvh = blockIdx.y, G = sp.group;
-  const int T = sp.a.T, P = sp.a.P, nh = sp.a.nh, rows = T * G;
+  const int T = sp.a.T, P = sp.a.P, nh = sp.a.nh;
+  const int R0 = blockIdx.z * kBMq, rows = min(kBMq, T * G - R0);  // this block's rows R0 + r
   const int kv_len = P + T;
   const int j0 = split * sp.tiles_per_split;
   const int j1 = min(j0 + sp.tiles_per_split, (kv_len + kBNk - 1) / kBNk);
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
 
   for (int idx = tid; idx < kBMq * kRowChunks; idx += kAttnThreads) {
     const int r = idx / kRowChunks, c = idx % kRowChunks;
-    const int t = r / G, h = kvh * G + r % G;
+    const int t = (R0 + r) / G, h = kvh * G + (R0 + r) % G;
     const bool ok = r < rows;
     const uint16_t* src = ok ? sp.a.q + size_t(t) * sp.a.q_row + size_t(h) * sp.a.q_head + c * 8 : sp.a.q;
     cp_async16(Qs + swz<HD>(r, c), src, ok ? 16 : 0);
@@ -332,7 +333,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const int r0 = warp * 16 + (lane >> 2);
   // Rows past T G compute as the last query (finite, not stored).
-  const int qpos[2] = {P + min(r0 / G, T - 1), P + min((r0 + 8) / G, T - 1)};
+  const int qpos[2] = {P + min((R0 + r0) / G, T - 1), P + min((R0 + r0 + 8) / G, T - 1)};
   const bool active = warp * 16 < rows;  // warp-uniform
 
   for (int j = j0; j < j1; ++j) {
@@ -365,7 +366,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
   for (int r = 0; r < 2; ++r) {
     const int row = r0 + 8 * r;
     if (row >= rows) continue;
-    const size_t q = (size_t(row / G) * nh + kvh * G + row % G) * sp.splits + split;  // (t nh + h) splits + split
+    const int R = R0 + row;
+    const size_t q = (size_t(R / G) * nh + kvh * G + R % G) * sp.splits + split;  // (t nh + h) splits + split
     if ((lane & 3) == 0) *reinterpret_cast<float2*>(sp.part_ml + 2 * q) = make_float2(m[r], l[r]);
     float* dst = sp.part_o + q * kHD;
 #pragma unroll
@@ -418,7 +420,8 @@ void launch_attn_split_t(const AttnSplitParams& sp, cudaStream_t stream) {
     return true;
   }();
   (void)attr_ok;
-  attn_split_kernel<HD, Q8><<<dim3(sp.splits, sp.a.nkv), kAttnThreads, smem, stream>>>(sp);
+  const int row_blocks = (sp.a.T * sp.group + kBMq - 1) / kBMq;
+  attn_split_kernel<HD, Q8><<<dim3(sp.splits, sp.a.nkv, row_blocks), kAttnThreads, smem, stream>>>(sp);
   check_launch("attn_split_kernel");
   attn_split_combine_kernel<<<sp.a.T * sp.a.nh, HD, 0, stream>>>(sp, HD);
   check_launch("attn_split_combine_kernel");
@@ -429,17 +432,20 @@ void launch_attn_split(const AttnSplitParams& sp, cudaStream_t stream) {
   else launch_attn_split_t<HD, false>(sp, stream);
 }
 
-// Splits of at most kMaxSplits key-tile ranges, about one block per SM.
+// Up to kMaxRowBlocks blocks of 128 query rows per KV head, each over up to
+// kMaxSplits / row blocks key-tile ranges, about one block per SM.
 constexpr int kMaxSplits = 64;
+constexpr int kMaxRowBlocks = 4;
 
 struct SplitPlan {
   int splits = 0, tiles_per_split = 0;
 };
 SplitPlan split_plan(int T, int P, int nh, int nkv) {
   SplitPlan sp;
-  if (T <= 0 || nkv <= 0 || nh % nkv != 0 || T * (nh / nkv) > kBMq) return sp;
+  if (T <= 0 || nkv <= 0 || nh % nkv != 0 || T * (nh / nkv) > kMaxRowBlocks * kBMq) return sp;
+  const int row_blocks = (T * (nh / nkv) + kBMq - 1) / kBMq;
   const int tiles = (P + T + kBNk - 1) / kBNk;
-  const int want = std::max(1, std::min({tiles, kMaxSplits, sm_count() / nkv}));
+  const int want = std::max(1, std::min({tiles, kMaxSplits / row_blocks, sm_count() / (nkv * row_blocks)}));
   sp.tiles_per_split = (tiles + want - 1) / want;
   sp.splits = (tiles + sp.tiles_per_split - 1) / sp.tiles_per_split;
   return sp;
@@ -449,7 +455,8 @@ SplitPlan split_plan(int T, int P, int nh, int nkv) {
 
 size_t prefill_attention_workspace_bytes(int nh, int nkv, int head_dim) {
   if (nkv <= 0 || nh % nkv != 0) return 0;
-  // T nh <= 128 nkv rows (T G <= 128), each with its splits' o and (max, sum).
+  // T nh <= row blocks x 128 nkv rows, each with its splits' o and (max,
+  // sum), splits <= kMaxSplits / row blocks.
   return size_t(kBMq) * nkv * kMaxSplits * (size_t(head_dim) + 2) * sizeof(float);
 }
 
