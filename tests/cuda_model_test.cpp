@@ -196,14 +196,17 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
   return r;
 }
 
-Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16) {
+// drafts: the draft runs and the attention's split form on (CudaOptions).
+Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16,
+                              bool drafts = false) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv)];
+  auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv) + (drafts ? "/d" : "")];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
     o.kv = kv;
     o.prefill = true;
     o.prefill_chunk = chunk;
+    if (drafts) o.attn_split = o.draft_runs = true;
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;
@@ -242,15 +245,19 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
 // The state a prefill leaves continues in decode: prefill (in chunks of 7)
 // then teacher-forced decode steps against the CPU; and a prompt split as
 // prefill(N) + single tokens + prefill(rest), in a cache that starts at one
-// position and grows, ends where one prefill of the whole prompt ends.
+// position and grows, ends where one prefill of the whole prompt ends. Each
+// with the bf16 and the q8 KV cache, and with the attention's split form
+// (CudaOptions::attn_split: every chunk of 7 takes it, q8 rows read in place).
 TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
   auto ref = load_reference(fixture, which);
   const int V = ref.vocab, n = static_cast<int>(ref.prompt.size());
   const int steps = static_cast<int>(ref.generated.size());
-  for (cuda::KvType kv : {cuda::KvType::BF16, cuda::KvType::Q8}) {
-  Backend& g = cuda_prefill_backend(fixture, 7, kv);
+  for (int variant = 0; variant < 4; ++variant) {
+  const cuda::KvType kv = variant & 1 ? cuda::KvType::Q8 : cuda::KvType::BF16;
+  const bool split = variant >= 2;
+  Backend& g = cuda_prefill_backend(fixture, 7, kv, split);
   Backend& c = cpu_backend_for(fixture);
   Sequence sg(g, 4096), sc(c, 4096);
   std::vector<float> got, want;
@@ -262,7 +269,7 @@ TEST_P(CudaModelFixture, PrefillThenDecodeContinues) {
     lg = sg.append(std::span<const int>(&ref.generated[i], 1));
     lc = sc.append(std::span<const int>(&ref.generated[i], 1));
   }
-  const std::string what = fixture + "/" + which + " kv " + cuda::kv_type_name(kv);
+  const std::string what = fixture + "/" + which + " kv " + cuda::kv_type_name(kv) + (split ? " split" : "");
   const RowsCheck r = check_rows(got.data(), want.data(), steps, V, fixture == "qwen3" ? steps : 0,
                                  what + " prefill + decode vs cpu");
   if (n >= 8) {
@@ -455,7 +462,7 @@ TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
   for (const char* fixture : {"qwen3_5_moe", "qwen3_5", "qwen3"}) {
     SCOPED_TRACE(fixture);
     auto ref = load_reference(fixture, "long");
-    Backend& g = cuda_prefill_backend(fixture, 4096);
+    Backend& g = cuda_prefill_backend(fixture, 4096, cuda::KvType::BF16, true);
     ASSERT_EQ(g.max_draft_run(), cuda::CudaBackend::kMaxDraftRun);
     const int V = ref.vocab;
     ASSERT_GE(ref.prompt.size(), 42u);

@@ -86,6 +86,8 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -1089,7 +1091,7 @@ struct CudaBackend::Impl {
     }
     pLogits.alloc(z.logits);
     if (z.wx > pWx.bytes()) pWx.alloc(z.wx);
-    if (!pAttnWs) {
+    if (!pAttnWs && opt.attn_split) {
       bool attn = false;
       for (LayerKind k : c.layer_kinds) attn = attn || k == LayerKind::FullAttention;
       if (attn) pAttnWs.alloc(prefill_attention_workspace_bytes(c.num_heads, c.num_kv_heads, c.head_dim));
@@ -1496,7 +1498,7 @@ void CudaBackend::truncate(SequenceCache& base, int n) {
   cache.set_n_past(n);
 }
 
-int CudaBackend::max_draft_run() const { return impl_->prefill_ok ? kMaxDraftRun : 1; }
+int CudaBackend::max_draft_run() const { return impl_->prefill_ok && impl_->opt.draft_runs ? kMaxDraftRun : 1; }
 
 void CudaBackend::forward_draft(SequenceCache& base, std::span<const int> tokens, float* logits) {
   Impl& m = *impl_;
@@ -1509,7 +1511,7 @@ void CudaBackend::forward_draft(SequenceCache& base, std::span<const int> tokens
     draft_begin(cache, 1);
     return;
   }
-  if (!m.prefill_ok || T < 1 || T > kMaxDraftRun || T > m.prefill_chunk()) {
+  if (!m.prefill_ok || !m.opt.draft_runs || T < 1 || T > kMaxDraftRun || T > m.prefill_chunk()) {
     Backend::forward_draft(base, tokens, logits);
     return;
   }

@@ -52,10 +52,19 @@ struct CudaOptions {
   // largest input, the default), 8 (faster, coarser), or 0 (f32 inputs;
   // docs/cuda-decode.md, "v16").
   int act_bits = 16;
+  // The prefill attention's split form for runs of few tokens over a long
+  // context (prefill.h; q8 rows read in place), and speculative draft runs
+  // through the prefill kernels with the DeltaNet state restored and
+  // replayed on accept (forward_draft; max_draft_run() 16, else 1). Both
+  // off until their tests and numbers have run on a GPU (written and
+  // compiled in a session with no device lent; docs/speculative.md).
+  bool attn_split = false;
+  bool draft_runs = false;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
-// LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32.
+// LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
+// LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1.
 CudaOptions options_from_env();
 
 struct KernelTiming {
@@ -94,7 +103,8 @@ class CudaBackend : public Backend {
                float* logits) override;
   void copy_cache(const SequenceCache& src, SequenceCache& dst) override;
   void truncate(SequenceCache& cache, int n) override;
-  // Draft runs of 2..kMaxDraftRun tokens take the prefill kernels and keep,
+  // With CudaOptions::draft_runs, draft runs of 2..kMaxDraftRun tokens take
+  // the prefill kernels and keep,
   // per DeltaNet layer, the state and conv ring before the run and the run's
   // in_proj rows; accept_draft restores those and replays the kept tokens'
   // DeltaNet updates (the KV rows are cut back). Without the prefill
