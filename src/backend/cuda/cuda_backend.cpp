@@ -1154,9 +1154,9 @@ struct CudaBackend::Impl {
 
   // Writes the control block: the next step is at position pos after `token`.
   void set_ctrl(CudaCache& cache, int pos, int token) {
-    const size_t off = 0;
-    pinned.ensure(off + sizeof(DecodeCtrl));
-    auto* h = reinterpret_cast<DecodeCtrl*>(pinned.as<char>() + off);
+    LILY_CUDA(cudaStreamSynchronize(stream));  // nothing queued still reads the pinned staging
+    pinned.ensure(sizeof(DecodeCtrl));
+    auto* h = pinned.as<DecodeCtrl>();
     *h = DecodeCtrl{};
     h->pos = pos;
     h->token = token;
