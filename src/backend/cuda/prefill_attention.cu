@@ -460,13 +460,18 @@ size_t prefill_attention_workspace_bytes(int nh, int nkv, int head_dim) {
   return size_t(kBMq) * nkv * kMaxSplits * (size_t(head_dim) + 2) * sizeof(float);
 }
 
-int prefill_attention_splits(const PrefillAttentionArgs& a) {
-  if (!a.workspace) return 0;
+namespace {
+// The split form's plan for these arguments where their workspace holds it
+// (else splits == 0: the whole-context kernel).
+SplitPlan usable_plan(const PrefillAttentionArgs& a) {
+  if (!a.workspace) return {};
   const SplitPlan plan = split_plan(a.T, a.first_position, a.nh, a.nkv);
-  if (plan.splits == 0) return 0;
   const size_t need = size_t(a.T) * a.nh * plan.splits * (size_t(a.head_dim) + 2) * sizeof(float);
-  return need <= a.workspace_bytes ? plan.splits : 0;
+  return need <= a.workspace_bytes ? plan : SplitPlan{};
 }
+}  // namespace
+
+int prefill_attention_splits(const PrefillAttentionArgs& a) { return usable_plan(a).splits; }
 
 void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
   const int hd = a.head_dim;
@@ -482,7 +487,8 @@ void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
   if (!a.q || !a.out || (q8 ? !a.v_q8 || !a.k_scale || !a.v_scale || a.scale_stride < a.capacity
                              : !a.k_cache || !a.v_cache))
     fail("prefill_attention: a required pointer is null");
-  if (q8 && prefill_attention_splits(a) == 0)
+  const SplitPlan plan = usable_plan(a);
+  if (q8 && plan.splits == 0)
     fail("prefill_attention: a q8 cache is read in place only by the split form (", a.T, " queries, workspace of ",
          a.workspace_bytes, " bytes)");
   auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
@@ -493,8 +499,7 @@ void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
   AttnParams p{a.q, a.gate, a.q_row_stride, a.q_head_stride, a.k_cache, a.v_cache, a.capacity,
                a.out, a.out_row_stride, a.T, a.first_position, a.nh, a.nkv,
                static_cast<float>(1.0 / std::sqrt(double(hd)) * 1.4426950408889634)};
-  if (const int splits = prefill_attention_splits(a); splits > 0) {
-    const SplitPlan plan = split_plan(a.T, a.first_position, a.nh, a.nkv);
+  if (plan.splits > 0) {
     AttnSplitParams sp{p, static_cast<float*>(a.workspace), nullptr, plan.splits, plan.tiles_per_split,
                        a.nh / a.nkv};
     sp.part_ml = sp.part_o + size_t(a.T) * a.nh * plan.splits * hd;
