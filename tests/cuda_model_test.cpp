@@ -196,7 +196,8 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
   return r;
 }
 
-// drafts: the draft runs and the attention's split form on (CudaOptions).
+// drafts: the draft runs and the attention's split form on (CudaOptions,
+// the default), else both off (the whole-context attention kernel).
 Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16,
                               bool drafts = false) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
@@ -206,7 +207,7 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
     o.kv = kv;
     o.prefill = true;
     o.prefill_chunk = chunk;
-    if (drafts) o.attn_split = o.draft_runs = true;
+    o.attn_split = o.draft_runs = drafts;
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;

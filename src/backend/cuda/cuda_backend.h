@@ -55,11 +55,10 @@ struct CudaOptions {
   // The prefill attention's split form for runs of few tokens over a long
   // context (prefill.h; q8 rows read in place), and speculative draft runs
   // through the prefill kernels with the DeltaNet state restored and
-  // replayed on accept (forward_draft; max_draft_run() 16, else 1). Both
-  // off until their tests and numbers have run on a GPU (written and
-  // compiled in a session with no device lent; docs/speculative.md).
-  bool attn_split = false;
-  bool draft_runs = false;
+  // replayed on accept (forward_draft; max_draft_run() 16, else 1). Drafts
+  // run only with --speculative N (docs/speculative.md, "On the GPU").
+  bool attn_split = true;
+  bool draft_runs = true;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
