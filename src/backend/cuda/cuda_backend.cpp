@@ -12,12 +12,15 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
+
+#include <cuda_profiler_api.h>
 
 #include "backend/cuda/cuda_util.h"
 #include "backend/cuda/kernels.h"
@@ -309,12 +312,30 @@ struct CudaBackend::Impl {
   static constexpr int kLogitRows = 256;  // LogitsMode::All: rows of logits per lm_head GEMM
   // LILY_CUDA_PREFILL_MARKS=1 (benchmarks): events between the prefill's
   // stages, their times summed over the layers and printed to stderr per
-  // forward (where the time of a short run goes).
+  // forward (where the time of a short run goes), with the host's time to
+  // enqueue the pass (a pass whose enqueue takes as long as its GPU time is
+  // bound by the host's launches). LILY_CUDA_PROFILE_RUN=T: the first pass
+  // of exactly T rows is bracketed by cudaProfilerStart / Stop (for
+  // `ncu --profile-from-start off`: that pass's kernels alone).
   struct StageMarks {
     bool on = false;
+    int profile_rows = 0;  // LILY_CUDA_PROFILE_RUN
+    bool profiling = false;
     std::vector<cudaEvent_t> ev;
     std::vector<const char*> name;  // the stage that ends at ev[i]
     size_t n = 0;
+    std::chrono::steady_clock::time_point host0, host1;  // the layers' enqueue
+    void begin(int T) {
+      if (profile_rows == T) {
+        LILY_CUDA(cudaProfilerStart());
+        profiling = true;
+        profile_rows = 0;
+      }
+      if (on) host0 = std::chrono::steady_clock::now();
+    }
+    void enqueued() {
+      if (on) host1 = std::chrono::steady_clock::now();
+    }
     void mark(const char* stage, cudaStream_t s) {
       if (!on) return;
       if (n == ev.size()) {
@@ -326,7 +347,14 @@ struct CudaBackend::Impl {
       LILY_CUDA(cudaEventRecord(ev[n++], s));
     }
     void report(int T, cudaStream_t s) {
+      if (profiling) {
+        LILY_CUDA(cudaStreamSynchronize(s));
+        LILY_CUDA(cudaProfilerStop());
+        profiling = false;
+      }
       if (!on || n < 2) return;
+      const double host_ms =
+          std::chrono::duration<double, std::milli>(host1 - host0).count();
       LILY_CUDA(cudaStreamSynchronize(s));
       std::vector<std::pair<std::string, double>> sum;
       double total = 0;
@@ -338,7 +366,7 @@ struct CudaBackend::Impl {
         if (it == sum.end()) sum.emplace_back(name[i], ms);
         else it->second += ms;
       }
-      std::string line = str_cat("prefill marks T=", T, ": total ", total, " ms");
+      std::string line = str_cat("prefill marks T=", T, ": total ", total, " ms, host enqueue of the layers ", host_ms, " ms");
       for (const auto& [k, v] : sum) line += str_cat(" | ", k, " ", v);
       std::fprintf(stderr, "%s\n", line.c_str());
       n = 0;
@@ -1389,7 +1417,9 @@ struct CudaBackend::Impl {
     LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens, size_t(T) * sizeof(int), cudaMemcpyHostToDevice, stream));
     for (int t0 = 0; t0 < T; t0 += chunk) {
       const int n = std::min(chunk, T - t0);
+      marks.begin(n);
       prefill_layers(cache, pTok.as<int>() + t0, n, P0 + t0, record);
+      marks.enqueued();
       if (mode == LogitsMode::All) all_logits(n, out_logits + size_t(t0) * V);
       else if (t0 + n == T) row_logits(n - 1, out_logits);
       marks.mark("logits", stream);
@@ -1419,6 +1449,7 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   m.alloc_workspace();
   m.setup_prefill();
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
+  if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);
   weights.reset();  // the device holds everything now
 }
 
