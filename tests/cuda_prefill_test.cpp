@@ -419,6 +419,128 @@ TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
   }
 }
 
+// Runs of <= 16 rows over q4 weights: the skinny kernels (weights as the
+// MMA's A operand, read once per run; one and two n8 halves, rings of 1, 2,
+// 4 and 8 groups, f16 and bf16 scales, every output kind, row and
+// column tails), fused parts in one launch, SwiGLU with packed and
+// interleaved gate/up rows; a row's result does not depend on the run's
+// length; prefill_set_skinny_rows(0) takes the tiled kernels.
+TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
+  REQUIRE_GPU();
+  struct Case {
+    int T, N, K;
+    PrefillOut out;
+    bool f16;
+  };
+  const Case cases[] = {{1, 130, 256, PrefillOut::F32, false},   {2, 37, 512, PrefillOut::F32Add, false},
+                        {3, 200, 768, PrefillOut::BF16, true},   {7, 513, 2048, PrefillOut::F32, false},
+                        {8, 64, 4096, PrefillOut::F32Add, true}, {9, 129, 256, PrefillOut::F32, false},
+                        {13, 300, 1280, PrefillOut::BF16, false}, {16, 77, 4096, PrefillOut::F32Add, false},
+                        {4, 70, 64, PrefillOut::F32, false},     {11, 90, 192, PrefillOut::F32Add, true},
+                        {5, 33, 128, PrefillOut::BF16, false}};
+  uint64_t seed = 400;
+  for (const Case& c : cases) run_gemm_case(PrefillWeightFormat::Q4, c.T, c.N, c.K, c.out, c.f16, seed++);
+  // The tiled kernels at such shapes still pass (the model tests' backends
+  // with skinny_rows 0 take them too).
+  prefill_set_skinny_rows(0);
+  run_gemm_case(PrefillWeightFormat::Q4, 5, 130, 512, PrefillOut::F32, false, 420);
+  run_gemm_case(PrefillWeightFormat::Q4, 16, 130, 320, PrefillOut::F32Add, false, 421);
+  prefill_set_skinny_rows(16);
+
+  // A row's outputs are the same bits in a run of 5 and of 12 (one and two n8 halves).
+  {
+    Rng r(430);
+    const int N = 150, K = 1024;
+    HostWeight hw = make_weight(r, PrefillWeightFormat::Q4, N, K);
+    DevWeight dw = upload_weight(hw);
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(12) * K, 1.f, xb, xf);
+    Dev x = upload(xb);
+    Dev y5(size_t(5) * N * 4), y12(size_t(12) * N * 4);
+    prefill_gemm(dw.view, x.as<uint16_t>(), 5, K, y5.p, N, PrefillOut::F32, nullptr);
+    prefill_gemm(dw.view, x.as<uint16_t>(), 12, K, y12.p, N, PrefillOut::F32, nullptr);
+    const auto a = download<float>(y5, size_t(5) * N), b = download<float>(y12, size_t(12) * N);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << "rows of a run of 5 vs the same rows of a run of 12";
+  }
+
+  // Fused parts: one launch into adjacent columns (q4 parts); a q8 part
+  // among them takes one GEMM per part.
+  for (int variant = 0; variant < 2; ++variant) {
+    SCOPED_TRACE(::testing::Message() << "fused variant " << variant);
+    Rng r(440 + variant);
+    const int T = variant ? 11 : 4, K = 512;
+    const PrefillWeightFormat f2 = variant ? PrefillWeightFormat::Q8 : PrefillWeightFormat::Q4;
+    HostWeight w[4] = {make_weight(r, PrefillWeightFormat::Q4, 200, K), make_weight(r, f2, 40, K),
+                       make_weight(r, PrefillWeightFormat::Q4, 8, K, true),
+                       make_weight(r, PrefillWeightFormat::Q4, 65, K)};
+    const int N = 313;
+    std::vector<float> deq;
+    for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+    const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
+    DevWeight d[4] = {upload_weight(w[0]), upload_weight(w[1]), upload_weight(w[2]), upload_weight(w[3])};
+    const PrefillWeight parts[4] = {d[0].view, d[1].view, d[2].view, d[3].view};
+    Dev x = upload(xb);
+    const size_t ldy = N + 5;
+    std::vector<float> init(size_t(T) * ldy);
+    for (auto& v : init) v = r.uniform(-1, 1);
+    Dev y = upload(init);
+    prefill_gemm_fused(parts, 4, x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr);
+    const auto h = download<float>(y, init.size());
+    std::vector<float> got(size_t(T) * N);
+    for (int t = 0; t < T; ++t) {
+      for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
+      for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
+    }
+    const double e = rel_err(got, ref);
+    std::printf("  skinny fused parts variant %d: rel err %.3g\n", variant, e);
+    EXPECT_LT(e, kTolQuant);
+  }
+
+  // SwiGLU, packed gate / up and interleaved rows (two strided views).
+  for (const int T : {3, 6, 14}) {
+    SCOPED_TRACE(::testing::Message() << "swiglu T " << T);
+    Rng r(450 + T);
+    const int N = T == 6 ? 600 : 96, K = T == 14 ? 256 : 512;
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+    Dev x = upload(xb);
+    // packed
+    HostWeight g = make_weight(r, PrefillWeightFormat::Q4, N, K), u = make_weight(r, PrefillWeightFormat::Q4, N, K);
+    auto rg = ref_matmul(g.deq, N, K, xf, T), ru = ref_matmul(u.deq, N, K, xf, T);
+    std::vector<float> ref(rg.size());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] = cpu::silu(rg[i]) * ru[i];
+    DevWeight dg = upload_weight(g), du = upload_weight(u);
+    Dev h(size_t(T) * N * 2);
+    prefill_gemm_swiglu(dg.view, du.view, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
+    const double e = rel_err(bf16_vec_to_f32(download<uint16_t>(h, size_t(T) * N)), ref);
+    // interleaved
+    HostWeight gu = make_weight(r, PrefillWeightFormat::Q4, 2 * N, K);
+    auto all = ref_matmul(gu.deq, 2 * N, K, xf, T);
+    std::vector<float> ref2(size_t(T) * N);
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < N; ++i)
+        ref2[size_t(t) * N + i] = cpu::silu(all[size_t(t) * 2 * N + 2 * i]) * all[size_t(t) * 2 * N + 2 * i + 1];
+    DevWeight d = upload_weight(gu);
+    PrefillWeight gv = d.view, uv = d.view;
+    gv.rows = uv.rows = N;
+    gv.row_stride_bytes = uv.row_stride_bytes = size_t(K);
+    gv.sb_row_stride_words = uv.sb_row_stride_words = size_t(K) / 32;
+    uv.w = static_cast<const uint8_t*>(d.view.w) + K / 2;
+    uv.sb = d.view.sb + K / 64;
+    Dev h2(size_t(T) * N * 2);
+    prefill_gemm_swiglu(gv, uv, x.as<uint16_t>(), T, K, h2.as<uint16_t>(), N, nullptr);
+    const double e2 = rel_err(bf16_vec_to_f32(download<uint16_t>(h2, size_t(T) * N)), ref2);
+    std::printf("  skinny swiglu T=%d N=%d K=%d: rel err %.3g packed, %.3g interleaved\n", T, N, K, e, e2);
+    EXPECT_LT(e, 1e-2);
+    EXPECT_LT(e2, 1e-2);
+  }
+}
+
 TEST(CudaPrefillGemm, RejectsBadShapes) {
   REQUIRE_GPU();
   PrefillWeight w;
@@ -774,6 +896,48 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
     EXPECT_EQ(ring_max, 0.0);
     P += T;
   }
+}
+
+// Runs of at most 16 tokens take the recurrent form (prefill_deltanet_run.cu,
+// f32 throughout, as the decode step): several short runs in a row on the
+// production shape from a random state, the ring carried between them and
+// read back, against the CPU to 1e-4 (the chunked kernels' TF32 products
+// give ~1e-3: the tight bound tells the two apart); then a chunked call and
+// a short one after it; the same short runs with the form switched off
+// (prefill_set_skinny_rows(0)) take the chunked kernels and stay within
+// kTolDn.
+TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
+  REQUIRE_GPU();
+  for (const int limit : {16, 0}) {
+    SCOPED_TRACE(::testing::Message() << "short-run limit " << limit);
+    prefill_set_skinny_rows(limit);
+    Rng r(58);
+    const DnModel m = make_dn_model(r, 16, 32, 128);
+    std::vector<float> cpu_conv(size_t(m.C) * 3, 0.f), cpu_state(size_t(m.nv) * m.d * m.d);
+    for (auto& v : cpu_state) v = r.normal() * 0.1f;
+    DnDevice dev = make_dn_device(m, cpu_state);
+    int P = 0;
+    bool chunked_before = false;
+    for (int T : {2, 16, 1, 7, 3, 17, 9}) {
+      SCOPED_TRACE(::testing::Message() << "call with T " << T << " after P " << P);
+      const DnInputs in = make_dn_inputs(r, m, T);
+      std::vector<float> ref;
+      cpu_deltanet(m, in.qkv, in.a, in.b, T, cpu_conv, cpu_state, ref);
+      const std::vector<float> got = gpu_deltanet(m, dev, in, T, P);
+      const double e_out = rel_err(got, ref);
+      const double e_state = rel_err(download<float>(dev.state, cpu_state.size()), cpu_state);
+      const double ring_max = ring_max_diff(m, dev, cpu_conv, P + T);
+      chunked_before = chunked_before || T > limit;
+      std::printf("  deltanet short runs (limit %d) T=%d P=%d: out rel err %.3g, state rel err %.3g, ring %.3g\n",
+                  limit, T, P, e_out, e_state, ring_max);
+      const double tol = chunked_before ? kTolDn : 1e-4;
+      EXPECT_LT(e_out, tol);
+      EXPECT_LT(e_state, tol);
+      EXPECT_EQ(ring_max, 0.0);
+      P += T;
+    }
+  }
+  prefill_set_skinny_rows(16);
 }
 
 // Small head dims (the test fixtures' dk = dv = 32 with 2 key / 4 value heads,

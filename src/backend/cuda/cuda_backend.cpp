@@ -91,6 +91,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_SKINNY")) o.skinny_rows = std::atoi(v);
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -1447,6 +1448,8 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   m.upload_weights(*weights);
   m.alloc_workspace();
+  if (m.opt.skinny_rows < 0 || m.opt.skinny_rows > 16) fail("cuda backend: skinny_rows must be in [0, 16]");
+  prefill_set_skinny_rows(m.opt.skinny_rows);
   m.setup_prefill();
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);

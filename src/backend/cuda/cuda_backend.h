@@ -59,11 +59,14 @@ struct CudaOptions {
   // run only with --speculative N (docs/speculative.md, "On the GPU").
   bool attn_split = true;
   bool draft_runs = true;
+  // Prefill runs of at most this many tokens (0..16) take the skinny q4
+  // GEMMs (prefill.h, prefill_set_skinny_rows; process-wide).
+  int skinny_rows = 16;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
-// LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1.
+// LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16.
 CudaOptions options_from_env();
 
 struct KernelTiming {

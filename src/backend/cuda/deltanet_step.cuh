@@ -97,10 +97,10 @@ __device__ __forceinline__ float2 dn_conv_finish(const DeltaNetParams& p, int h,
 // so sum q^2, sum k^2, sum k q and both column sums of S meet at one barrier.
 // sr: thread tid's state rows; sync() synchronises the step's kDnThreads
 // threads (the whole block in the step's own launch). Writes the new state
-// slice and the slice's outputs.
-template <class Sync>
+// slice (Keep: into sr, for a run of several tokens) and the slice's outputs.
+template <bool Keep = false, class Sync>
 __device__ __forceinline__ void dn_update_fused(const DeltaNetParams& p, int h, int cb, int tid,
-                                                const float (&sr)[kDnMaxRows], const float* qs, const float* ks,
+                                                float (&sr)[kDnMaxRows], const float* qs, const float* ks,
                                                 const float* vs, float b, float a, float a_log, float dt_bias,
                                                 Sync sync) {
   const int dk = p.dk, dv = p.dv, j = tid & (kDnCols - 1), qg = tid / kDnCols, nr = dk / kDnRowGroups;
@@ -154,7 +154,9 @@ __device__ __forceinline__ void dn_update_fused(const DeltaNetParams& p, int h, 
   for (int r = 0; r < kDnMaxRows; ++r)
     if (r < nr) {
       const int i = qg + kDnRowGroups * r;
-      S[size_t(i) * dv + j] = fmaf(ks[i], dk_delta, sr[r] * decay);
+      const float v = fmaf(ks[i], dk_delta, sr[r] * decay);
+      if constexpr (Keep) sr[r] = v;
+      else S[size_t(i) * dv + j] = v;
     }
   if (qg == 0) p.out[size_t(h) * dv + cb * kDnCols + j] = fmaf(decay * qinv, tb, delta * (kinv * qinv * sqk));
 }

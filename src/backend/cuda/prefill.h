@@ -84,6 +84,13 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
                          int T, size_t ldx, uint16_t* h, size_t ldh, cudaStream_t stream,
                          const PrefillScratch& scratch = {});
 
+// Runs of at most `rows` tokens (default 16, the most; 0: never) take the
+// skinny kernels for q4 weights in the three calls above (the weights as
+// the MMA's A operand, read once for the run; prefill_gemm.cu) and the
+// recurrent DeltaNet in prefill_deltanet (token by token, as the decode
+// step; prefill_deltanet_run.cu). Process-wide; for benchmarks and tests.
+void prefill_set_skinny_rows(int rows);
+
 // ---- routed MoE ----------------------------------------------------------------
 // Routing: softmax over E expert logits (f32), top-k (ties to the lower index),
 // optionally renormalised to sum 1. ids/weights: [T][k].

@@ -708,6 +708,14 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
   const long long prep_threads =
       std::max<long long>(32LL * ((a.T + kPrepRows - 1) / kPrepRows) * (2 * a.nk + a.nv), 1LL * a.T * a.nv);
   mark(0);
+  if (a.T <= skinny_rows()) {
+    // A short run: the recurrent form (prefill_deltanet_run.cu), then the ring.
+    launch_deltanet_run(a, stream);
+    dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring);
+    check_launch("dn_ring_kernel");
+    for (int i = 1; i <= 4; ++i) mark(i);
+    return;
+  }
   dn_prep_kernel<D><<<static_cast<unsigned>((prep_threads + kDnThreads - 1) / kDnThreads), kDnThreads, 0, stream>>>(pp);
   check_launch("dn_prep_kernel");
   mark(1);

@@ -579,6 +579,35 @@ __device__ __forceinline__ uint32_t skinny_pair_f32(uint32_t w, float2 s) {
   return pack_bf16x2(fmaf(float(b & 15u), s.x, s.y), fmaf(float(b >> 4), s.x, s.y));
 }
 
+// One weight row's part of the A fragments of a group's 4 k16 steps (the
+// permuted k order above): the lane's 8 code bytes c of row g + 8 hh and the
+// group's scale/bias word.
+__device__ __forceinline__ void skinny_frags(uint2 c, uint32_t sb, bool f16, int hh, uint32_t (&a)[4][4]) {
+  const uint32_t w0 = c.x, w1 = c.y;
+  if (!f16) {
+    __nv_bfloat162 S, B;
+    scale_bias_bf162(sb, S, B);
+    a[0][hh] = q4_pair_bf16<0>(w0, S, B);
+    a[0][2 + hh] = q4_pair_bf16<1>(w0, S, B);
+    a[1][hh] = q4_pair_bf16<2>(w0, S, B);
+    a[1][2 + hh] = q4_pair_bf16<3>(w0, S, B);
+    a[2][hh] = q4_pair_bf16<0>(w1, S, B);
+    a[2][2 + hh] = q4_pair_bf16<1>(w1, S, B);
+    a[3][hh] = q4_pair_bf16<2>(w1, S, B);
+    a[3][2 + hh] = q4_pair_bf16<3>(w1, S, B);
+  } else {
+    const float2 sc = scale_bias(sb, 1);
+    a[0][hh] = skinny_pair_f32<0>(w0, sc);
+    a[0][2 + hh] = skinny_pair_f32<1>(w0, sc);
+    a[1][hh] = skinny_pair_f32<2>(w0, sc);
+    a[1][2 + hh] = skinny_pair_f32<3>(w0, sc);
+    a[2][hh] = skinny_pair_f32<0>(w1, sc);
+    a[2][2 + hh] = skinny_pair_f32<1>(w1, sc);
+    a[3][hh] = skinny_pair_f32<2>(w1, sc);
+    a[3][2 + hh] = skinny_pair_f32<3>(w1, sc);
+  }
+}
+
 template <bool SWIGLU>
 __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const GemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -650,32 +679,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
       // a[mt][j]: rows g (regs 0, 2) and g + 8 (regs 1, 3) of m-tile mt.
       uint32_t a[2][4][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int mt = i >> 1, hh = i & 1;
-        const uint32_t w0 = cw[d][i].x, w1 = cw[d][i].y;
-        if (!f16) {
-          __nv_bfloat162 S, B;
-          scale_bias_bf162(cs[d][i], S, B);
-          a[mt][0][hh] = q4_pair_bf16<0>(w0, S, B);
-          a[mt][0][2 + hh] = q4_pair_bf16<1>(w0, S, B);
-          a[mt][1][hh] = q4_pair_bf16<2>(w0, S, B);
-          a[mt][1][2 + hh] = q4_pair_bf16<3>(w0, S, B);
-          a[mt][2][hh] = q4_pair_bf16<0>(w1, S, B);
-          a[mt][2][2 + hh] = q4_pair_bf16<1>(w1, S, B);
-          a[mt][3][hh] = q4_pair_bf16<2>(w1, S, B);
-          a[mt][3][2 + hh] = q4_pair_bf16<3>(w1, S, B);
-        } else {
-          const float2 sc = scale_bias(cs[d][i], 1);
-          a[mt][0][hh] = skinny_pair_f32<0>(w0, sc);
-          a[mt][0][2 + hh] = skinny_pair_f32<1>(w0, sc);
-          a[mt][1][hh] = skinny_pair_f32<2>(w0, sc);
-          a[mt][1][2 + hh] = skinny_pair_f32<3>(w0, sc);
-          a[mt][2][hh] = skinny_pair_f32<0>(w1, sc);
-          a[mt][2][2 + hh] = skinny_pair_f32<1>(w1, sc);
-          a[mt][3][hh] = skinny_pair_f32<2>(w1, sc);
-          a[mt][3][2 + hh] = skinny_pair_f32<3>(w1, sc);
-        }
-      }
+      for (int i = 0; i < 4; ++i) skinny_frags(cw[d][i], cs[d][i], f16, i & 1, a[i >> 1]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
@@ -734,6 +738,208 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   else
     go(moe_skinny_kernel<false>);
   check_launch("prefill MoE skinny kernel");
+}
+
+// ---- Skinny dense GEMM (q4 weights, runs of <= 16 rows) ------------------------
+// A run of a few tokens (a speculative draft run, a short follow-up turn)
+// through the tiled GEMMs pays for 64- or 128-row tiles and a weight tile
+// expanded in shared memory per block: the DeltaNet in_proj took ~46 us at
+// T = 2 on the H200 against ~10-13 us for the decode matvec over the same
+// bytes. Here, as in the skinny MoE kernel above, the weights are the A
+// operand of m16n8k16 (16 rows per warp, the lane's 8 code bytes per group
+// straight into registers, RING - 1 groups ahead; RING is the most groups
+// up to 8 that divide K / 64) and the run's rows are N
+// (NT n8 halves; the rows past T are zeros, not loaded). A block is 4 warps, 64 weight rows
+// (SwiGLU: 64 outputs, their gate and up rows), so a 2,048-row matrix takes
+// 32 blocks and Qwen3.6's in_proj 193. Several matrices of the same input
+// (a DeltaNet layer's qkv / z / b / a) run as parts of one launch, each
+// into its own output columns. Every output is written by one thread, once:
+// the result does not depend on the launch shape.
+constexpr int kSdWarps = 4;
+constexpr int kSdRowsPerBlock = 16 * kSdWarps;
+constexpr int kSdMaxRows = 16;
+constexpr int kSdMaxParts = 4;
+constexpr int kSdMaxSmem = 200 * 1024;
+
+struct SkinnyPart {
+  const uint8_t* w;
+  const uint32_t* sb;
+  size_t w_row_stride, sb_row_stride;  // bytes, u32 words
+  int rows, col0, sb_f16, block0;      // block0: the part's first block
+};
+struct SkinnyParams {
+  SkinnyPart part[kSdMaxParts];
+  int nparts;
+  const uint8_t* w2;  // SwiGLU: the up matrix (part 0 is the gate, same strides)
+  const uint32_t* sb2;
+  int K, M;
+  const uint16_t* x;
+  size_t ldx;
+  void* y;
+  size_t ldy;
+  int out_kind;  // PrefillOut (SwiGLU: bf16)
+};
+
+GemmParams base_params(const PrefillWeight& w);
+
+size_t skinny_smem_bytes(int T, int K) { return size_t(T) * (size_t(K) * 2 + 8); }
+
+template <int NT, int RING, bool SWIGLU>
+__global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid_constant__ SkinnyParams p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
+  constexpr int R = SWIGLU ? 4 : 2;  // weight rows per lane: g and g + 8 (of gate and up)
+  constexpr int MT = SWIGLU ? 2 : 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int K = p.K, ldxs = K + 4, KG = K / 64;
+  // The block's part (unrolled selects: no dynamic index into the parameters).
+  SkinnyPart P = p.part[0];
+#pragma unroll
+  for (int i = 1; i < kSdMaxParts; ++i)
+    if (i < p.nparts && int(blockIdx.x) >= p.part[i].block0) P = p.part[i];
+  const int n0 = (int(blockIdx.x) - P.block0) * kSdRowsPerBlock + 16 * warp;
+
+  const uint8_t* wrow[R];
+  const uint32_t* srow[R];
+  bool rok[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int n = n0 + g + 8 * (i & 1);
+    const uint8_t* base = SWIGLU && i >= 2 ? p.w2 : P.w;
+    const uint32_t* sbase = SWIGLU && i >= 2 ? p.sb2 : P.sb;
+    rok[i] = n < P.rows;
+    wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 8 * t;
+    srow[i] = sbase + size_t(rok[i] ? n : 0) * P.sb_row_stride;
+  }
+  uint2 cw[RING][R];
+  uint32_t cs[RING][R];
+  auto load_group = [&](int kg, uint2 (&c)[R], uint32_t (&sb)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
+      sb[i] = rok[i] && kg < KG ? __ldg(srow[i] + kg) : 0u;
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < RING - 1; ++d) load_group(d, cw[d], cs[d]);
+
+  // The run's M rows, 8-byte copies (the MMAs take zeros for rows past M).
+  const int cpr = K / 4;
+  for (int i = tid; i < p.M * cpr; i += kSdWarps * 32) {
+    const int r = i / cpr, c = i % cpr;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(xs + r * ldxs + c * 4)),
+                 "l"(p.x + size_t(r) * p.ldx + c * 4));
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float acc[MT][NT][4] = {};
+  const bool f16 = P.sb_f16 != 0;
+  for (int kg0 = 0; kg0 < KG; kg0 += RING) {
+#pragma unroll
+    for (int d = 0; d < RING; ++d) {
+      const int kg = kg0 + d;
+      load_group(kg + RING - 1, cw[(d + RING - 1) % RING], cs[(d + RING - 1) % RING]);
+      uint32_t a[MT][4][4];
+#pragma unroll
+      for (int i = 0; i < R; ++i) skinny_frags(cw[d][i], cs[d][i], f16, i & 1, a[i >> 1]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 b = 8 * nt + g < p.M
+                              ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * 64 + 16 * t + 4 * j)
+                              : make_uint2(0, 0);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[mt][nt], a[mt][j], b.x, b.y);
+        }
+      }
+    }
+  }
+
+  // acc[mt][nt][e]: weight row n0 + g + 8 (e >> 1) (of the gate / up for
+  // SwiGLU), token 8 nt + 2t + (e & 1).
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = 8 * nt + 2 * t + (e & 1);
+      const int n = n0 + g + 8 * (e >> 1);
+      if (tok >= p.M || n >= P.rows) continue;
+      const size_t at = size_t(tok) * p.ldy + P.col0 + n;
+      if constexpr (SWIGLU) {
+        static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
+      } else {
+        const float v = acc[0][nt][e];
+        if (p.out_kind == int(PrefillOut::BF16)) static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(v);
+        else if (p.out_kind == int(PrefillOut::F32Add)) static_cast<float*>(p.y)[at] += v;
+        else static_cast<float*>(p.y)[at] = v;
+      }
+    }
+}
+
+int g_skinny_max_rows = kSdMaxRows;
+
+// q4, T <= the skinny limit, the run's rows fit in shared memory.
+bool skinny_fits(const PrefillWeight& w, int T) {
+  return T >= 1 && T <= g_skinny_max_rows && w.fmt == PrefillWeightFormat::Q4 &&
+         skinny_smem_bytes(T, w.cols) <= size_t(kSdMaxSmem);
+}
+
+SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
+  const GemmParams b = base_params(w);
+  return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
+}
+
+template <int NT, int RING, bool SWIGLU>
+void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
+  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU>;
+  static const bool attr_ok = [&] {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
+          "cudaFuncSetAttribute(prefill skinny GEMM)");
+    return true;
+  }();
+  (void)attr_ok;
+  kernel<<<blocks, kSdWarps * 32, skinny_smem_bytes(p.M, p.K), s>>>(p);
+  check_launch("prefill skinny GEMM");
+}
+
+template <bool SWIGLU>
+void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
+  if (blocks > 2147483647 / 2) fail("prefill skinny GEMM: too many output rows");
+  // The ring: the most groups (up to 8) that divide the row's K / 64.
+  const int KG = p.K / 64;
+  auto go = [&](auto nt) {
+    constexpr int NT = decltype(nt)::value;
+    if (KG % 8 == 0) launch_skinny_t<NT, 8, SWIGLU>(p, blocks, s);
+    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU>(p, blocks, s);
+    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU>(p, blocks, s);
+    else launch_skinny_t<NT, 1, SWIGLU>(p, blocks, s);
+  };
+  if (p.M <= 8) go(std::integral_constant<int, 1>{});
+  else go(std::integral_constant<int, 2>{});
+}
+
+// y (columns [0, sum of rows)) = x . [parts]^T: one launch.
+void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
+                 PrefillOut out, cudaStream_t stream) {
+  SkinnyParams p{};
+  int blocks = 0, col = 0;
+  for (int i = 0; i < n; ++i) {
+    p.part[i] = skinny_part(parts[i], col, blocks);
+    blocks += (parts[i].rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock;
+    col += parts[i].rows;
+  }
+  p.nparts = n;
+  p.K = parts[0].cols;
+  p.M = T;
+  p.x = x;
+  p.ldx = ldx;
+  p.y = y;
+  p.ldy = ldy;
+  p.out_kind = int(out);
+  launch_skinny<false>(p, blocks, stream);
 }
 
 // w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
@@ -1037,6 +1243,13 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 
 }  // namespace
 
+int prefill_detail::skinny_rows() { return g_skinny_max_rows; }
+
+void prefill_set_skinny_rows(int rows) {
+  if (rows < 0 || rows > kSdMaxRows) fail("prefill_set_skinny_rows: rows (", rows, ") must be in [0, ", kSdMaxRows, "]");
+  g_skinny_max_rows = rows;
+}
+
 int prefill_detail::sm_count() {
   static const int n = [] {
     int dev = 0, v = 0;
@@ -1054,6 +1267,7 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   if (T <= 0) return;
   if (!y) fail("prefill_gemm: output pointer is null");
   if (ldy < size_t(w.rows)) fail("prefill_gemm: output row stride ", ldy, " is below N = ", w.rows);
+  if (skinny_fits(w, T)) return skinny_gemm(&w, 1, x, T, ldx, y, ldy, out, stream);
   if (expand_pays(w, T, scratch, 1))
     return prefill_gemm(expand_bf16(w, static_cast<uint16_t*>(scratch.p), stream), x, T, ldx, y, ldy, out, stream);
   if (tma_gemm_fits(w, T)) return tma_gemm(w, nullptr, x, T, ldx, y, ldy, out, stream);
@@ -1096,6 +1310,12 @@ void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, in
     quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
   }
   const size_t cols = size_t(parts[0].cols);
+  if (T > 0 && n <= kSdMaxParts && std::all_of(parts, parts + n, [&](const PrefillWeight& w) { return skinny_fits(w, T); })) {
+    validate_x(x, ldx, int(cols), "prefill_gemm_fused");
+    if (!y) fail("prefill_gemm_fused: output pointer is null");
+    if (ldy < rows) fail("prefill_gemm_fused: output row stride ", ldy, " is below the parts' ", rows, " rows");
+    return skinny_gemm(parts, n, x, T, ldx, y, ldy, out, stream);
+  }
   if (n > 1 && quant && scratch.p && T >= scratch.min_rows && scratch.bytes >= rows * cols * 2 && rows <= (1u << 30)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
     size_t off = 0;
@@ -1129,6 +1349,22 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
   if (!h) fail("prefill_gemm_swiglu: output pointer is null");
+  if (skinny_fits(gate, T)) {
+    SkinnyParams p{};
+    p.part[0] = skinny_part(gate, 0, 0);
+    p.nparts = 1;
+    const GemmParams u = base_params(up);
+    p.w2 = u.w;
+    p.sb2 = u.sb;
+    p.K = gate.cols;
+    p.M = T;
+    p.x = x;
+    p.ldx = ldx;
+    p.y = h;
+    p.ldy = ldh;
+    p.out_kind = int(PrefillOut::BF16);
+    return launch_skinny<true>(p, (gate.rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock, stream);
+  }
   if (expand_pays(gate, T, scratch, 2)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
     const PrefillWeight g = expand_bf16(gate, d, stream);

@@ -1,0 +1,99 @@
+// Gated DeltaNet over a run of a few tokens (a speculative draft run, its
+// replay on accept, a short follow-up turn): the recurrent form, token by
+// token, instead of the chunked kernels (prefill_deltanet.cu), whose 64-token
+// chunk costs the same for 2 tokens as for 64 (~49 us a layer on the H200).
+//
+// One block per (value head h, 32-column slice cb), as the decode step
+// (deltanet_step.cuh, whose state update it calls): the block keeps its
+// dk x 32 slice of the state in registers through the run and, per token,
+// computes the conv + SiLU of its q / k / v channels from the four taps,
+// the ring's inputs before the run and the run's own raw inputs (all in
+// `qkv`, none written here), then the fused update (L2 norms, gates,
+// delta rule, the output). The ring gets the run's last inputs in a
+// separate launch after this one (dn_ring_kernel), so that no block reads
+// a slot another block has rewritten. Per token the arithmetic is the
+// decode step's (the same conv sums, the same update), so a run's state
+// equals the one its tokens leave as decode steps, up to the order of the
+// conv sum.
+#include "backend/cuda/deltanet_step.cuh"
+#include "backend/cuda/prefill_common.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kRunK = 4;  // conv taps (prefill_deltanet: 4 only)
+
+__global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constant__ PrefillDeltaNetArgs a) {
+  const int h = blockIdx.x, cb = blockIdx.y;
+  const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
+  const int dk = a.dk, dv = a.dv, nr = dk / kDnRowGroups, nch = 2 * dk + kDnCols;
+  DeltaNetParams p{};
+  p.nk = a.nk;
+  p.nv = a.nv;
+  p.dk = dk;
+  p.dv = dv;
+  p.K = kRunK;
+  p.state = a.state;
+  float* S = a.state + size_t(h) * dk * dv + cb * kDnCols;  // row i at S[i * dv + j]
+  float sr[kDnMaxRows];
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) sr[r] = S[size_t(qg + kDnRowGroups * r) * dv + j];
+  __shared__ float qs[kDnMaxDk], ks[kDnMaxDk], vs[kDnCols];
+  // The thread's channels: taps and the K - 1 inputs before the current
+  // token (the ring's, positions P - 3 .. P - 1, then the run's).
+  int chs[kDnChPerThread];
+  float w[kDnChPerThread][kRunK], hist[kDnChPerThread][kRunK - 1];
+  const int P = a.first_position;
+#pragma unroll
+  for (int u = 0; u < kDnChPerThread; ++u) {
+    const int i = tid + u * kDnThreads;
+    const int ch = i < nch ? dn_channel(p, h, cb, i) : 0;
+    chs[u] = ch;
+#pragma unroll
+    for (int m = 0; m < kRunK; ++m) w[u][m] = i < nch ? a.conv_w[size_t(ch) * kRunK + m] : 0.f;
+#pragma unroll
+    for (int m = 0; m < kRunK - 1; ++m)
+      hist[u][m] = i < nch ? a.conv_ring[size_t(ch) * kRunK + (P + 1 + m) % kRunK] : 0.f;
+  }
+  const float a_log = a.a_log[h], dt_bias = a.dt_bias[h];
+  for (int t = 0; t < a.T; ++t) {
+    const float* row = a.qkv + size_t(t) * a.ld_qkv;
+#pragma unroll
+    for (int u = 0; u < kDnChPerThread; ++u) {
+      const int i = tid + u * kDnThreads;
+      if (i >= nch) continue;
+      const float x = row[chs[u]];
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < kRunK - 1; ++m) s += w[u][m] * hist[u][m];
+      const float y = silu(s + w[u][kRunK - 1] * x);
+#pragma unroll
+      for (int m = 0; m < kRunK - 2; ++m) hist[u][m] = hist[u][m + 1];
+      hist[u][kRunK - 2] = x;
+      if (i < dk) qs[i] = y;
+      else if (i < 2 * dk) ks[i - dk] = y;
+      else vs[i - 2 * dk] = y;
+    }
+    const float b = a.b[size_t(t) * a.ld_ab + h], av = a.a[size_t(t) * a.ld_ab + h];
+    p.out = a.out + size_t(t) * a.ld_out;
+    __syncthreads();
+    dn_update_fused<true>(p, h, cb, tid, sr, qs, ks, vs, b, av, a_log, dt_bias, [] { __syncthreads(); });
+    __syncthreads();  // qs / ks / vs are rewritten by the next token
+  }
+#pragma unroll
+  for (int r = 0; r < kDnMaxRows; ++r)
+    if (r < nr) S[size_t(qg + kDnRowGroups * r) * dv + j] = sr[r];
+}
+
+}  // namespace
+
+void prefill_detail::launch_deltanet_run(const PrefillDeltaNetArgs& a, cudaStream_t stream) {
+  if (a.dk > kDnMaxDk || a.dk % kDnRowGroups != 0 || a.dv % kDnCols != 0)
+    fail("prefill_deltanet (run form): head dims ", a.dk, " x ", a.dv, " are not supported");
+  dn_run_kernel<<<dim3(a.nv, a.dv / kDnCols), kDnThreads, 0, stream>>>(a);
+  check_launch("dn_run_kernel");
+}
+
+}  // namespace lily::cuda
