@@ -741,6 +741,21 @@ TEST(CudaPrefillMoe, MatchesCpuSkinnyTiles) {
   run_moe_case(96, 32, 8, 2048, 512, true, false, 63, PrefillWeightFormat::Q4, 16);
 }
 
+// Runs of at most 16 tokens plan the routing in one block (moe_plan_kernel:
+// routing, counts, tiles and the permutation in (token, slot) order): one
+// token, experts shared by several tokens of the run, 16- and 64-row tiles,
+// q8 and bf16 experts (the tiled grouped kernels), the model's shape.
+TEST(CudaPrefillMoe, MatchesCpuShortRuns) {
+  REQUIRE_GPU();
+  run_moe_case(1, 16, 4, 256, 128, true, false, 64);
+  run_moe_case(2, 256, 8, 2048, 512, true, true, 65);  // the model's shape
+  run_moe_case(16, 256, 8, 2048, 512, true, false, 66);
+  run_moe_case(16, 8, 4, 256, 256, false, true, 67);  // ~8 rows per expert
+  run_moe_case(7, 16, 4, 192, 64, true, true, 68, PrefillWeightFormat::Q4, 64, 3);
+  run_moe_case(9, 8, 2, 320, 128, true, false, 69, PrefillWeightFormat::Q8);
+  run_moe_case(5, 4, 2, 128, 64, false, false, 70, PrefillWeightFormat::BF16);
+}
+
 TEST(CudaPrefillMoe, MatchesCpuModelShape) {
   REQUIRE_GPU();
   // The model's hidden / intermediate sizes and top-8; 32 experts keep the CPU

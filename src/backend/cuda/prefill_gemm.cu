@@ -1038,12 +1038,9 @@ GemmParams base_params(const PrefillWeight& w) {
 
 constexpr int kRouteMaxPerLane = 16;  // E <= 512
 
-__global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, int k, int norm,
-                                 int* ids, float* weights, int* counts) {
-  const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (t >= T) return;
-  const float* l = logits + size_t(t) * ld;
+// One token's routing by one warp: softmax over the E logits l, top k (ties
+// to the lower index); lane s < k gets the s-th expert and its probability.
+__device__ __forceinline__ void route_token(const float* l, int E, int k, int lane, int& my_id, float& my_p) {
   float v[kRouteMaxPerLane];
   float mx = -INFINITY;
 #pragma unroll
@@ -1066,8 +1063,8 @@ __global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, i
     const int e = lane + 32 * i;
     v[i] = e < E ? v[i] / sum : -1.f;  // -1: never selected
   }
-  int my_id = 0;
-  float my_p = 0.f;
+  my_id = 0;
+  my_p = 0.f;
   for (int s = 0; s < k; ++s) {
     float bv = -2.f;
     int bi = 0x7fffffff;
@@ -1098,11 +1095,85 @@ __global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, i
       my_p = bv;
     }
   }
+}
+
+__global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, int k, int norm,
+                                 int* ids, float* weights, int* counts) {
+  const int lane = threadIdx.x & 31;
+  const int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (t >= T) return;
+  int my_id;
+  float my_p;
+  route_token(logits + size_t(t) * ld, E, k, lane, my_id, my_p);
   const float top = p_warp_sum(lane < k ? my_p : 0.f);
   if (lane < k) {
     ids[size_t(t) * k + lane] = my_id;
     weights[size_t(t) * k + lane] = norm ? my_p / top : my_p;
     if (counts) atomicAdd(&counts[my_id], 1);
+  }
+}
+
+// A short run's whole plan in one block (blockDim >= 32 T and >= E, at most
+// 1024): the routing (one warp per token), the counts, the offsets and the
+// BM-row tiles as moe_scan_kernel makes them, and the permutation, with the
+// pairs of one expert in (token, slot) order (deterministic; the launches
+// for long prompts place them by atomics). Replaces the memset, route, scan
+// and scatter launches.
+__global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, int k, int norm, int bm, int* ids,
+                                float* weights, int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles,
+                                int* perm_row, int* slot_pos) {
+  __shared__ int s_c[1024], s_t[1024], s_ids[512];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = T * k;
+  s_c[tid] = 0;
+  __syncthreads();
+  if (warp < T) {
+    int my_id;
+    float my_p;
+    route_token(logits + size_t(warp) * ld, E, k, lane, my_id, my_p);
+    const float top = p_warp_sum(lane < k ? my_p : 0.f);
+    if (lane < k) {
+      ids[size_t(warp) * k + lane] = my_id;
+      s_ids[warp * k + lane] = my_id;
+      weights[size_t(warp) * k + lane] = norm ? my_p / top : my_p;
+      atomicAdd(&s_c[my_id], 1);
+    }
+  }
+  __syncthreads();
+  const int c = tid < E ? s_c[tid] : 0;
+  const int nt = (c + bm - 1) / bm;
+  s_t[tid] = nt;
+  __syncthreads();
+  for (int d = 1; d < blockDim.x; d <<= 1) {
+    const int a = tid >= d ? s_c[tid - d] : 0, b = tid >= d ? s_t[tid - d] : 0;
+    __syncthreads();
+    s_c[tid] += a;
+    s_t[tid] += b;
+    __syncthreads();
+  }
+  const int off = s_c[tid] - c;  // the expert's first row (exclusive sum)
+  if (tid < E) {
+    const int toff = s_t[tid] - nt;
+    for (int i = 0; i < nt; ++i) {
+      tile_expert[toff + i] = tid;
+      tile_row0[toff + i] = off + i * bm;
+      tile_rows[toff + i] = min(bm, c - i * bm);
+    }
+  }
+  if (tid == blockDim.x - 1) *num_tiles = s_t[tid];
+  __syncthreads();
+  // s_c[e] - (count of e) is e's offset: count e among all pairs, then place
+  // pair i after the earlier pairs of its expert.
+  for (int i = tid; i < n; i += blockDim.x) {
+    const int e = s_ids[i];
+    int before = 0, all = 0;
+    for (int j = 0; j < n; ++j) {
+      const int hit = s_ids[j] == e;
+      all += hit;
+      before += hit && j < i;
+    }
+    const int pos = s_c[e] - all + before;
+    perm_row[pos] = i / k;
+    slot_pos[i] = pos;
   }
 }
 
@@ -1460,16 +1531,24 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   const int max_tiles = n / bm + std::min(a.E, n) + 1;
 
   mark(0);
-  check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
-  moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
-                                                       a.norm_topk ? 1 : 0, ids, weights, counts);
-  check_launch("moe_route_kernel");
-  const int scan_threads = (a.E + 31) / 32 * 32;
-  moe_scan_kernel<<<1, scan_threads, 0, stream>>>(counts, a.E, bm, offsets, cursor, tile_expert,
-                                                  tile_row0, tile_rows, num_tiles);
-  check_launch("moe_scan_kernel");
-  moe_scatter_kernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, n, a.k, cursor, perm_row, slot_pos);
-  check_launch("moe_scatter_kernel");
+  const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
+  if (a.T <= skinny_rows() && n <= 512 && plan_threads <= 1024) {
+    moe_plan_kernel<<<1, plan_threads, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0,
+                                                   bm, ids, weights, tile_expert, tile_row0, tile_rows, num_tiles,
+                                                   perm_row, slot_pos);
+    check_launch("moe_plan_kernel");
+  } else {
+    check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
+    moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
+                                                         a.norm_topk ? 1 : 0, ids, weights, counts);
+    check_launch("moe_route_kernel");
+    const int scan_threads = (a.E + 31) / 32 * 32;
+    moe_scan_kernel<<<1, scan_threads, 0, stream>>>(counts, a.E, bm, offsets, cursor, tile_expert,
+                                                    tile_row0, tile_rows, num_tiles);
+    check_launch("moe_scan_kernel");
+    moe_scatter_kernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, n, a.k, cursor, perm_row, slot_pos);
+    check_launch("moe_scatter_kernel");
+  }
 
   GemmParams p = base_params(a.gate);
   p.w2 = static_cast<const uint8_t*>(a.up.w);
