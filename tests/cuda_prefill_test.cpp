@@ -440,6 +440,10 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
                         {5, 33, 128, PrefillOut::BF16, false}};
   uint64_t seed = 400;
   for (const Case& c : cases) run_gemm_case(PrefillWeightFormat::Q4, c.T, c.N, c.K, c.out, c.f16, seed++);
+  // q8 codes (16 bytes a lane per group): the router's shape, tails, f16 scales.
+  run_gemm_case(PrefillWeightFormat::Q8, 2, 257, 2048, PrefillOut::F32, false, 415);
+  run_gemm_case(PrefillWeightFormat::Q8, 12, 70, 192, PrefillOut::F32Add, true, 416);
+  run_gemm_case(PrefillWeightFormat::Q8, 9, 129, 512, PrefillOut::BF16, false, 417);
   // The tiled kernels at such shapes still pass (the model tests' backends
   // with skinny_rows 0 take them too).
   prefill_set_skinny_rows(0);
@@ -464,16 +468,16 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
     EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << "rows of a run of 5 vs the same rows of a run of 12";
   }
 
-  // Fused parts: one launch into adjacent columns (q4 parts); a q8 part
-  // among them takes one GEMM per part.
-  for (int variant = 0; variant < 2; ++variant) {
+  // Fused parts: one launch into adjacent columns (parts of one format: q4,
+  // q8); a q8 part among q4 ones takes one GEMM per part.
+  for (int variant = 0; variant < 3; ++variant) {
     SCOPED_TRACE(::testing::Message() << "fused variant " << variant);
     Rng r(440 + variant);
-    const int T = variant ? 11 : 4, K = 512;
+    const int T = variant == 1 ? 11 : 4, K = 512;
+    const PrefillWeightFormat f1 = variant == 2 ? PrefillWeightFormat::Q8 : PrefillWeightFormat::Q4;
     const PrefillWeightFormat f2 = variant ? PrefillWeightFormat::Q8 : PrefillWeightFormat::Q4;
-    HostWeight w[4] = {make_weight(r, PrefillWeightFormat::Q4, 200, K), make_weight(r, f2, 40, K),
-                       make_weight(r, PrefillWeightFormat::Q4, 8, K, true),
-                       make_weight(r, PrefillWeightFormat::Q4, 65, K)};
+    HostWeight w[4] = {make_weight(r, f1, 200, K), make_weight(r, f2, 40, K), make_weight(r, f1, 8, K, true),
+                       make_weight(r, f1, 65, K)};
     const int N = 313;
     std::vector<float> deq;
     for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());

@@ -59,8 +59,9 @@ struct CudaOptions {
   // run only with --speculative N (docs/speculative.md, "On the GPU").
   bool attn_split = true;
   bool draft_runs = true;
-  // Prefill runs of at most this many tokens (0..16) take the skinny q4
-  // GEMMs (prefill.h, prefill_set_skinny_rows; process-wide).
+  // Prefill runs of at most this many tokens (0..16) take the skinny q4 / q8
+  // GEMMs, the recurrent DeltaNet and the one-block MoE plan (prefill.h,
+  // prefill_set_skinny_rows; process-wide).
   int skinny_rows = 16;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,

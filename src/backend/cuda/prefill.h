@@ -85,10 +85,11 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
                          const PrefillScratch& scratch = {});
 
 // Runs of at most `rows` tokens (default 16, the most; 0: never) take the
-// skinny kernels for q4 weights in the three calls above (the weights as
+// skinny kernels for q4 / q8 weights in the three calls above (the weights as
 // the MMA's A operand, read once for the run; prefill_gemm.cu) and the
 // recurrent DeltaNet in prefill_deltanet (token by token, as the decode
-// step; prefill_deltanet_run.cu). Process-wide; for benchmarks and tests.
+// step; prefill_deltanet_run.cu), and prefill_moe plans the routing in one
+// block (moe_plan_kernel). Process-wide; for benchmarks and tests.
 void prefill_set_skinny_rows(int rows);
 
 // ---- routed MoE ----------------------------------------------------------------

@@ -608,6 +608,18 @@ __device__ __forceinline__ void skinny_frags(uint2 c, uint32_t sb, bool f16, int
   }
 }
 
+// The same for 8-bit codes: the lane's 16 code bytes of the group (k = 16t
+// .. 16t + 15), word j holding k = 16t + 4j .. + 3, the same k order.
+__device__ __forceinline__ void skinny_frags(uint4 c, uint32_t sb, bool f16, int hh, uint32_t (&a)[4][4]) {
+  const float2 sc = scale_bias(sb, f16 ? 1 : 0);
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    a[j][hh] = pack_bf16x2(fmaf(code_f(w[j], 0x7650), sc.x, sc.y), fmaf(code_f(w[j], 0x7651), sc.x, sc.y));
+    a[j][2 + hh] = pack_bf16x2(fmaf(code_f(w[j], 0x7652), sc.x, sc.y), fmaf(code_f(w[j], 0x7653), sc.x, sc.y));
+  }
+}
+
 template <bool SWIGLU>
 __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const GemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -740,7 +752,7 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   check_launch("prefill MoE skinny kernel");
 }
 
-// ---- Skinny dense GEMM (q4 weights, runs of <= 16 rows) ------------------------
+// ---- Skinny dense GEMM (q4 / q8 weights, runs of <= 16 rows) -------------------
 // A run of a few tokens (a speculative draft run, a short follow-up turn)
 // through the tiled GEMMs pays for 64- or 128-row tiles and a weight tile
 // expanded in shared memory per block: the DeltaNet in_proj took ~46 us at
@@ -784,7 +796,7 @@ GemmParams base_params(const PrefillWeight& w);
 
 size_t skinny_smem_bytes(int T, int K) { return size_t(T) * (size_t(K) * 2 + 8); }
 
-template <int NT, int RING, bool SWIGLU>
+template <int NT, int RING, bool SWIGLU, int BITS>
 __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid_constant__ SkinnyParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
@@ -808,15 +820,16 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     const uint8_t* base = SWIGLU && i >= 2 ? p.w2 : P.w;
     const uint32_t* sbase = SWIGLU && i >= 2 ? p.sb2 : P.sb;
     rok[i] = n < P.rows;
-    wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 8 * t;
+    wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 2 * BITS * t;
     srow[i] = sbase + size_t(rok[i] ? n : 0) * P.sb_row_stride;
   }
-  uint2 cw[RING][R];
+  using Codes = std::conditional_t<BITS == 4, uint2, uint4>;  // the lane's codes of one group
+  Codes cw[RING][R];
   uint32_t cs[RING][R];
-  auto load_group = [&](int kg, uint2 (&c)[R], uint32_t (&sb)[R]) {
+  auto load_group = [&](int kg, Codes (&c)[R], uint32_t (&sb)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
+      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const Codes*>(wrow[i] + size_t(kg) * 8 * BITS)) : Codes{};
       sb[i] = rok[i] && kg < KG ? __ldg(srow[i] + kg) : 0u;
     }
   };
@@ -881,9 +894,9 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 
 int g_skinny_max_rows = kSdMaxRows;
 
-// q4, T <= the skinny limit, the run's rows fit in shared memory.
+// q4 or q8, T <= the skinny limit, the run's rows fit in shared memory.
 bool skinny_fits(const PrefillWeight& w, int T) {
-  return T >= 1 && T <= g_skinny_max_rows && w.fmt == PrefillWeightFormat::Q4 &&
+  return T >= 1 && T <= g_skinny_max_rows && w.fmt != PrefillWeightFormat::BF16 &&
          skinny_smem_bytes(T, w.cols) <= size_t(kSdMaxSmem);
 }
 
@@ -892,9 +905,9 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
   return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
 }
 
-template <int NT, int RING, bool SWIGLU>
+template <int NT, int RING, bool SWIGLU, int BITS>
 void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
-  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU>;
+  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS>;
   static const bool attr_ok = [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
           "cudaFuncSetAttribute(prefill skinny GEMM)");
@@ -905,20 +918,27 @@ void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
   check_launch("prefill skinny GEMM");
 }
 
-template <bool SWIGLU>
+template <bool SWIGLU, int BITS>
 void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
   if (blocks > 2147483647 / 2) fail("prefill skinny GEMM: too many output rows");
-  // The ring: the most groups (up to 8) that divide the row's K / 64.
+  // The ring: the most groups (up to 8; 4 for q8 SwiGLU, whose 4 rows of 16
+  // bytes a lane would spill at 8) that divide the row's K / 64.
   const int KG = p.K / 64;
+  constexpr int kMaxRing = SWIGLU && BITS == 8 ? 4 : 8;
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (KG % 8 == 0) launch_skinny_t<NT, 8, SWIGLU>(p, blocks, s);
-    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU>(p, blocks, s);
-    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU>(p, blocks, s);
-    else launch_skinny_t<NT, 1, SWIGLU>(p, blocks, s);
+    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS>(p, blocks, s);
+    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS>(p, blocks, s);
+    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS>(p, blocks, s);
+    else launch_skinny_t<NT, 1, SWIGLU, BITS>(p, blocks, s);
   };
   if (p.M <= 8) go(std::integral_constant<int, 1>{});
   else go(std::integral_constant<int, 2>{});
+}
+template <bool SWIGLU>
+void launch_skinny(const SkinnyParams& p, int blocks, PrefillWeightFormat fmt, cudaStream_t s) {
+  if (fmt == PrefillWeightFormat::Q4) launch_skinny<SWIGLU, 4>(p, blocks, s);
+  else launch_skinny<SWIGLU, 8>(p, blocks, s);
 }
 
 // y (columns [0, sum of rows)) = x . [parts]^T: one launch.
@@ -939,7 +959,7 @@ void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, si
   p.y = y;
   p.ldy = ldy;
   p.out_kind = int(out);
-  launch_skinny<false>(p, blocks, stream);
+  launch_skinny<false>(p, blocks, parts[0].fmt, stream);
 }
 
 // w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
@@ -1381,7 +1401,9 @@ void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, in
     quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
   }
   const size_t cols = size_t(parts[0].cols);
-  if (T > 0 && n <= kSdMaxParts && std::all_of(parts, parts + n, [&](const PrefillWeight& w) { return skinny_fits(w, T); })) {
+  if (T > 0 && n <= kSdMaxParts && std::all_of(parts, parts + n, [&](const PrefillWeight& w) {
+        return skinny_fits(w, T) && w.fmt == parts[0].fmt;
+      })) {
     validate_x(x, ldx, int(cols), "prefill_gemm_fused");
     if (!y) fail("prefill_gemm_fused: output pointer is null");
     if (ldy < rows) fail("prefill_gemm_fused: output row stride ", ldy, " is below the parts' ", rows, " rows");
@@ -1434,7 +1456,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
     p.y = h;
     p.ldy = ldh;
     p.out_kind = int(PrefillOut::BF16);
-    return launch_skinny<true>(p, (gate.rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock, stream);
+    return launch_skinny<true>(p, (gate.rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock, gate.fmt, stream);
   }
   if (expand_pays(gate, T, scratch, 2)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
