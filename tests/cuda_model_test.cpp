@@ -197,17 +197,20 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
 }
 
 // drafts: the draft runs and the attention's split form on (CudaOptions,
-// the default), else both off (the whole-context attention kernel).
+// the default), else both off (the whole-context attention kernel); graph:
+// draft runs as one CUDA graph (CudaOptions::draft_graph).
 Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16,
-                              bool drafts = false) {
+                              bool drafts = false, bool graph = false) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
-  auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv) + (drafts ? "/d" : "")];
+  auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv) + (drafts ? "/d" : "") +
+                  (graph ? "/g" : "")];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
     o.kv = kv;
     o.prefill = true;
     o.prefill_chunk = chunk;
     o.attn_split = o.draft_runs = drafts;
+    o.draft_graph = graph;
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;
@@ -457,13 +460,15 @@ TEST(CudaModel, DraftRunsKeepPrefixes) {
 // back) leaves a cache whose next steps agree with one that ran only the
 // kept tokens (through the prefill kernels as one run: the same kernels
 // over fewer rows), within the prefill's own chunking differences, and
-// differ from one that kept the whole run.
+// differ from one that kept the whole run. Run eagerly and as one CUDA
+// graph per run (CudaOptions::draft_graph: the same kernels, the same bits).
 TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
   LILY_SKIP_WITHOUT_GPU();
+  for (const bool graph : {false, true})
   for (const char* fixture : {"qwen3_5_moe", "qwen3_5", "qwen3"}) {
-    SCOPED_TRACE(fixture);
+    SCOPED_TRACE(::testing::Message() << fixture << (graph ? " (the run as a graph)" : ""));
     auto ref = load_reference(fixture, "long");
-    Backend& g = cuda_prefill_backend(fixture, 4096, cuda::KvType::BF16, true);
+    Backend& g = cuda_prefill_backend(fixture, 4096, cuda::KvType::BF16, true, graph);
     ASSERT_EQ(g.max_draft_run(), cuda::CudaBackend::kMaxDraftRun);
     const int V = ref.vocab;
     ASSERT_GE(ref.prompt.size(), 42u);
@@ -500,8 +505,8 @@ TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
                                  std::vector<float>(&all[t * V], &all[(t + 1) * V]));
         else  // a cache that kept the whole run is far off: the check can fail
           EXPECT_GT(row_err(&all[t * V], &next[t * V], V), 10 * std::max(e, 1e-3)) << "step " << t;
-        std::printf("[ cuda     ] %s draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
-                    fixture, keep, t, e);
+        std::printf("[ cuda     ] %s%s draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
+                    fixture, graph ? " (graph)" : "", keep, t, e);
       }
     }
   }

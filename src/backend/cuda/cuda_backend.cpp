@@ -92,6 +92,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SKINNY")) o.skinny_rows = std::atoi(v);
+  if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -374,7 +375,15 @@ struct CudaBackend::Impl {
     }
   } marks;
 
+  // A draft run's pass as one CUDA graph (CudaOptions::draft_graph): one
+  // executable graph per run length, its parameters replaced by each run's
+  // capture (cudaGraphExecUpdate), so the GPU takes the pass's launches back
+  // to back instead of at the host's launch rate.
+  std::map<int, cudaGraphExec_t> draft_exec;
+
   ~Impl() {
+    for (auto& [t, e] : draft_exec)
+      if (e) cudaGraphExecDestroy(e);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -1416,6 +1425,11 @@ struct CudaBackend::Impl {
     std::memcpy(host_tokens, tokens.data(), size_t(T) * sizeof(int));
     if (pTok.bytes() < size_t(T) * sizeof(int)) pTok.alloc(size_t(T) * sizeof(int));
     LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens, size_t(T) * sizeof(int), cudaMemcpyHostToDevice, stream));
+    if (record && opt.draft_graph && !marks.on && T <= chunk && T <= kLogitRows && mode == LogitsMode::All &&
+        lm_gemm_ok && draft_pass_graph(cache, T, P0, out_logits)) {
+      set_ctrl_async(cache, ctrl_off, P0 + T, tokens.back());
+      return;
+    }
     for (int t0 = 0; t0 < T; t0 += chunk) {
       const int n = std::min(chunk, T - t0);
       marks.begin(n);
@@ -1426,12 +1440,57 @@ struct CudaBackend::Impl {
       marks.mark("logits", stream);
       marks.report(n, stream);
     }
+    set_ctrl_async(cache, ctrl_off, P0 + T, tokens.back());
+  }
+
+  // The control block from the pinned staging at ctrl_off; waits for it.
+  void set_ctrl_async(CudaCache& cache, size_t ctrl_off, int pos, int token) {
     DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(reinterpret_cast<char*>(pinned.as<char>()) + ctrl_off);
     *h = DecodeCtrl{};
-    h->pos = P0 + T;
-    h->token = tokens.back();
+    h->pos = pos;
+    h->token = token;
     LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), h, sizeof(DecodeCtrl), cudaMemcpyHostToDevice, stream));
     LILY_CUDA(cudaStreamSynchronize(stream));
+  }
+
+  // One draft run of T (<= kLogitRows) tokens already on the device (pTok)
+  // as a graph: the layers with the record, the final norm and the lm_head
+  // GEMM; then the logits to the host. false (nothing run) when the capture
+  // or the graph fails: the caller runs the pass eagerly.
+  bool draft_pass_graph(CudaCache& cache, int T, int P, float* out_logits) {
+    const int H = c.hidden_size, V = c.vocab_size;
+    cudaGraph_t g = nullptr;
+    LILY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    bool ok = true;
+    try {
+      prefill_layers(cache, pTok.as<int>(), T, P, /*record=*/true);
+      prefill_rmsnorm(pX.as<float>(), H, final_norm.as<float>(), T, H, c.rms_norm_eps, pXn.as<uint16_t>(), H, stream);
+      prefill_gemm(pw_lm, pXn.as<uint16_t>(), T, H, pLogits.get(), V, PrefillOut::F32, stream);
+    } catch (const Error&) {
+      ok = false;
+    }
+    ok = cudaStreamEndCapture(stream, &g) == cudaSuccess && ok && g;
+    cudaGetLastError();
+    cudaGraphExec_t& ex = draft_exec[T];
+    if (ok && ex) {
+      cudaGraphExecUpdateResultInfo info{};
+      if (cudaGraphExecUpdate(ex, g, &info) != cudaSuccess) {
+        cudaGetLastError();
+        cudaGraphExecDestroy(ex);
+        ex = nullptr;
+      }
+    }
+    if (ok && !ex) ok = cudaGraphInstantiate(&ex, g, 0) == cudaSuccess;
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    if (!ok) {
+      if (ex) cudaGraphExecDestroy(ex);
+      ex = nullptr;
+      return false;
+    }
+    LILY_CUDA(cudaGraphLaunch(ex, stream));
+    LILY_CUDA(cudaMemcpyAsync(out_logits, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
+    return true;
   }
 };
 

@@ -63,11 +63,15 @@ struct CudaOptions {
   // GEMMs, the recurrent DeltaNet and the one-block MoE plan (prefill.h,
   // prefill_set_skinny_rows; process-wide).
   int skinny_rows = 16;
+  // A draft run's pass captured and replayed as one CUDA graph (updated per
+  // run), instead of ~600 launches from the host.
+  bool draft_graph = false;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
-// LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16.
+// LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
+// LILY_CUDA_DRAFT_GRAPH=0|1.
 CudaOptions options_from_env();
 
 struct KernelTiming {
