@@ -839,8 +839,11 @@ DnInputs dn_slice(const DnModel& m, const DnInputs& in, int t0, int T) {
 
 // prefill_deltanet over T tokens after P on `dev` (ring and state updated);
 // returns the core outputs [T][nv*d] (written with a padded row stride, NaN
-// poisoned first).
-std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs& in, int T, int P) {
+// poisoned first). backup: the call also writes the state and ring as they
+// were (PrefillDeltaNetArgs::state_backup / ring_backup), checked here bit
+// for bit against copies taken before it.
+std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs& in, int T, int P,
+                                bool backup = false) {
   Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
   const size_t ld_out = size_t(m.nv) * m.d + 4;
   Dev out(size_t(T) * ld_out * 4);
@@ -867,7 +870,20 @@ std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs&
   args.workspace_bytes = prefill_deltanet_workspace_bytes(T, m.nk, m.nv, m.d, m.d);
   Dev ws(args.workspace_bytes);
   args.workspace = ws.p;
+  const size_t state_n = size_t(m.nv) * m.d * m.d, ring_n = size_t(m.C) * 4;
+  Dev sb(backup ? state_n * 4 : 4), rb(backup ? ring_n * 4 : 4);
+  std::vector<float> state0, ring0;
+  if (backup) {
+    state0 = download<float>(dev.state, state_n);
+    ring0 = download<float>(dev.ring, ring_n);
+    args.state_backup = sb.as<float>();
+    args.ring_backup = rb.as<float>();
+  }
   prefill_deltanet(args, nullptr);
+  if (backup) {
+    EXPECT_TRUE(download<float>(sb, state_n) == state0) << "the state backup";
+    EXPECT_TRUE(download<float>(rb, ring_n) == ring0) << "the ring backup";
+  }
   auto h = download<float>(out, size_t(T) * ld_out);
   const size_t row = size_t(m.nv) * m.d;
   std::vector<float> got(size_t(T) * row);
@@ -924,7 +940,8 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
 // give ~1e-3: the tight bound tells the two apart); then a chunked call and
 // a short one after it; the same short runs with the form switched off
 // (prefill_set_skinny_rows(0)) take the chunked kernels and stay within
-// kTolDn.
+// kTolDn. The short runs also write the state and ring as they were
+// (state_backup / ring_backup: bit for bit); longer runs refuse a backup.
 TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
   REQUIRE_GPU();
   for (const int limit : {16, 0}) {
@@ -942,7 +959,7 @@ TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
       const DnInputs in = make_dn_inputs(r, m, T);
       std::vector<float> ref;
       cpu_deltanet(m, in.qkv, in.a, in.b, T, cpu_conv, cpu_state, ref);
-      const std::vector<float> got = gpu_deltanet(m, dev, in, T, P);
+      const std::vector<float> got = gpu_deltanet(m, dev, in, T, P, /*backup=*/T <= limit);
       const double e_out = rel_err(got, ref);
       const double e_state = rel_err(download<float>(dev.state, cpu_state.size()), cpu_state);
       const double ring_max = ring_max_diff(m, dev, cpu_conv, P + T);
@@ -957,6 +974,11 @@ TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
     }
   }
   prefill_set_skinny_rows(16);
+  // A backup is refused for a run the chunked kernels take.
+  Rng r(59);
+  const DnModel m = make_dn_model(r, 2, 4, 32);
+  DnDevice dev = make_dn_device(m, std::vector<float>(size_t(m.nv) * m.d * m.d, 0.f));
+  EXPECT_THROW(gpu_deltanet(m, dev, make_dn_inputs(r, m, 17), 17, 0, true), Error);
 }
 
 // Small head dims (the test fixtures' dk = dv = 32 with 2 key / 4 value heads,

@@ -1203,7 +1203,10 @@ struct CudaBackend::Impl {
   }
 
   // record: the DeltaNet layers' in_proj rows go to cache.draft.proj[l]
-  // instead of the shared workspace (a draft run's replay input).
+  // instead of the shared workspace (a draft run's replay input), and for
+  // runs of at most prefill_skinny_rows() tokens the DeltaNet writes the
+  // state and ring as they were to cache.draft.state / conv (longer runs:
+  // forward_draft copies them first).
   void prefill_layers(CudaCache& cache, const int* tokens, int T, int P, bool record = false) {
     cudaStream_t s = stream;
     const int H = c.hidden_size;
@@ -1228,7 +1231,12 @@ struct CudaBackend::Impl {
         const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
         prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
         marks.mark("dn in_proj", s);
-        prefill_deltanet(deltanet_args(cache, l, Pj, T, P), s);
+        PrefillDeltaNetArgs da = deltanet_args(cache, l, Pj, T, P);
+        if (record && T <= prefill_skinny_rows()) {  // the run form records the state as it reads it
+          da.state_backup = cache.draft.state[l].as<float>();
+          da.ring_backup = cache.draft.conv[l].as<float>();
+        }
+        prefill_deltanet(da, s);
         marks.mark("dn core", s);
         prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
                               c.linear_value_head_dim, eps, A, lda, s);
@@ -1625,6 +1633,7 @@ void CudaBackend::forward_draft(SequenceCache& base, std::span<const int> tokens
     if (!d.conv[l]) d.conv[l].alloc(cache.conv[l].bytes());
     const size_t pb = size_t(kMaxDraftRun) * m.p_ld_proj * sizeof(float);
     if (d.proj[l].bytes() < pb) d.proj[l].alloc(pb);
+    if (T <= prefill_skinny_rows()) continue;  // the run's DeltaNet writes the copies (prefill_layers)
     LILY_CUDA(cudaMemcpyAsync(d.state[l].get(), cache.state[l].get(), cache.state[l].bytes(),
                               cudaMemcpyDeviceToDevice, m.stream));
     LILY_CUDA(cudaMemcpyAsync(d.conv[l].get(), cache.conv[l].get(), cache.conv[l].bytes(),

@@ -91,6 +91,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
 // step; prefill_deltanet_run.cu), and prefill_moe plans the routing in one
 // block (moe_plan_kernel). Process-wide; for benchmarks and tests.
 void prefill_set_skinny_rows(int rows);
+int prefill_skinny_rows();
 
 // ---- routed MoE ----------------------------------------------------------------
 // Routing: softmax over E expert logits (f32), top-k (ties to the lower index),
@@ -151,6 +152,12 @@ struct PrefillDeltaNetArgs {
   size_t ld_out = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Optional, for runs of at most prefill_skinny_rows() tokens (an error
+  // otherwise): the state and the ring as they were before this call are
+  // also written here (a speculative draft run's record, without copies of
+  // its own).
+  float* state_backup = nullptr;  // [nv][dk][dv]
+  float* ring_backup = nullptr;   // [C][K]
 };
 size_t prefill_deltanet_workspace_bytes(int T, int nk, int nv, int dk, int dv);
 // Throws lily::Error for head dims outside {32, 64, 128} or dk != dv.

@@ -11,7 +11,8 @@
 // `qkv`, none written here), then the fused update (L2 norms, gates,
 // delta rule, the output). The ring gets the run's last inputs in a
 // separate launch after this one (dn_ring_kernel), so that no block reads
-// a slot another block has rewritten. Per token the arithmetic is the
+// a slot another block has rewritten. With a.state_backup each block also
+// writes its slice as it was before the run (a draft run's record). Per token the arithmetic is the
 // decode step's (the same conv sums, the same update), so a run's state
 // equals the one its tokens leave as decode steps, up to the order of the
 // conv sum.
@@ -40,6 +41,12 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
 #pragma unroll
   for (int r = 0; r < kDnMaxRows; ++r)
     if (r < nr) sr[r] = S[size_t(qg + kDnRowGroups * r) * dv + j];
+  if (a.state_backup) {
+    float* B = a.state_backup + size_t(h) * dk * dv + cb * kDnCols;
+#pragma unroll
+    for (int r = 0; r < kDnMaxRows; ++r)
+      if (r < nr) B[size_t(qg + kDnRowGroups * r) * dv + j] = sr[r];
+  }
   __shared__ float qs[kDnMaxDk], ks[kDnMaxDk], vs[kDnCols];
   // The thread's channels: taps and the K - 1 inputs before the current
   // token (the ring's, positions P - 3 .. P - 1, then the run's).

@@ -1335,6 +1335,7 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 }  // namespace
 
 int prefill_detail::skinny_rows() { return g_skinny_max_rows; }
+int prefill_skinny_rows() { return g_skinny_max_rows; }
 
 void prefill_set_skinny_rows(int rows) {
   if (rows < 0 || rows > kSdMaxRows) fail("prefill_set_skinny_rows: rows (", rows, ") must be in [0, ", kSdMaxRows, "]");
