@@ -941,7 +941,8 @@ TEST(CudaPrefillDeltaNet, MatchesCpuAcrossCallsAndChunks) {
 // a short one after it; the same short runs with the form switched off
 // (prefill_set_skinny_rows(0)) take the chunked kernels and stay within
 // kTolDn. The short runs also write the state and ring as they were
-// (state_backup / ring_backup: bit for bit); longer runs refuse a backup.
+// (state_backup / ring_backup: bit for bit), a run again from that record
+// (state_src / ring_src) gives the same bits; longer runs refuse a backup.
 TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
   REQUIRE_GPU();
   for (const int limit : {16, 0}) {
@@ -974,6 +975,54 @@ TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
     }
   }
   prefill_set_skinny_rows(16);
+  // A replay from the record: a run of 5 with its backup, then the same run
+  // again from the backup (state_src / ring_src) on top of the state the
+  // first left: the same outputs, state and ring, bit for bit.
+  {
+    Rng r(60);
+    const DnModel m = make_dn_model(r, 16, 32, 128);
+    std::vector<float> st(size_t(m.nv) * m.d * m.d);
+    for (auto& v : st) v = r.normal() * 0.1f;
+    DnDevice dev = make_dn_device(m, st);
+    gpu_deltanet(m, dev, make_dn_inputs(r, m, 7), 7, 0);  // a ring with content
+    const DnInputs in = make_dn_inputs(r, m, 5);
+    Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
+    const size_t state_n = st.size(), ring_n = size_t(m.C) * 4, ld_out = size_t(m.nv) * m.d;
+    Dev sb(state_n * 4), rb(ring_n * 4), o1(5 * ld_out * 4), o2(5 * ld_out * 4);
+    PrefillDeltaNetArgs args;
+    args.T = 5;
+    args.first_position = 7;
+    args.nk = m.nk;
+    args.nv = m.nv;
+    args.dk = args.dv = m.d;
+    args.qkv = dq.as<float>();
+    args.ld_qkv = m.C;
+    args.a = da.as<float>();
+    args.b = db.as<float>();
+    args.ld_ab = m.nv;
+    args.conv_w = dev.conv_w.as<float>();
+    args.conv_ring = dev.ring.as<float>();
+    args.a_log = dev.a_log.as<float>();
+    args.dt_bias = dev.dt_bias.as<float>();
+    args.state = dev.state.as<float>();
+    args.out = o1.as<float>();
+    args.ld_out = ld_out;
+    args.workspace_bytes = prefill_deltanet_workspace_bytes(5, m.nk, m.nv, m.d, m.d);
+    Dev ws(args.workspace_bytes);
+    args.workspace = ws.p;
+    args.state_backup = sb.as<float>();
+    args.ring_backup = rb.as<float>();
+    prefill_deltanet(args, nullptr);
+    const auto s1 = download<float>(dev.state, state_n), r1 = download<float>(dev.ring, ring_n);
+    args.state_backup = args.ring_backup = nullptr;
+    args.state_src = sb.as<float>();
+    args.ring_src = rb.as<float>();
+    args.out = o2.as<float>();
+    prefill_deltanet(args, nullptr);
+    EXPECT_TRUE(download<float>(o2, 5 * ld_out) == download<float>(o1, 5 * ld_out)) << "replay outputs";
+    EXPECT_TRUE(download<float>(dev.state, state_n) == s1) << "replay state";
+    EXPECT_TRUE(download<float>(dev.ring, ring_n) == r1) << "replay ring";
+  }
   // A backup is refused for a run the chunked kernels take.
   Rng r(59);
   const DnModel m = make_dn_model(r, 2, 4, 32);

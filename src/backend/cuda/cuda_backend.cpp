@@ -1665,11 +1665,17 @@ void CudaBackend::accept_draft(SequenceCache& base, int n) {
   LILY_CUDA(cudaStreamSynchronize(m.stream));
   for (size_t l = 0; l < cache.state.size(); ++l) {
     if (!cache.state[l]) continue;
-    LILY_CUDA(cudaMemcpyAsync(cache.state[l].get(), d.state[l].get(), cache.state[l].bytes(),
-                              cudaMemcpyDeviceToDevice, m.stream));
-    LILY_CUDA(cudaMemcpyAsync(cache.conv[l].get(), d.conv[l].get(), cache.conv[l].bytes(),
-                              cudaMemcpyDeviceToDevice, m.stream));
-    prefill_deltanet(m.deltanet_args(cache, static_cast<int>(l), d.proj[l].as<float>(), n, d.p0), m.stream);
+    PrefillDeltaNetArgs a = m.deltanet_args(cache, static_cast<int>(l), d.proj[l].as<float>(), n, d.p0);
+    if (n <= prefill_skinny_rows()) {  // the run form reads the record in place
+      a.state_src = d.state[l].as<float>();
+      a.ring_src = d.conv[l].as<float>();
+    } else {
+      LILY_CUDA(cudaMemcpyAsync(cache.state[l].get(), d.state[l].get(), cache.state[l].bytes(),
+                                cudaMemcpyDeviceToDevice, m.stream));
+      LILY_CUDA(cudaMemcpyAsync(cache.conv[l].get(), d.conv[l].get(), cache.conv[l].bytes(),
+                                cudaMemcpyDeviceToDevice, m.stream));
+    }
+    prefill_deltanet(a, m.stream);
   }
   cache.set_n_past(d.p0 + n);
   m.set_ctrl(cache, d.p0 + n, d.tokens[n - 1]);

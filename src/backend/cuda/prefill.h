@@ -158,6 +158,11 @@ struct PrefillDeltaNetArgs {
   // its own).
   float* state_backup = nullptr;  // [nv][dk][dv]
   float* ring_backup = nullptr;   // [C][K]
+  // Optional, the same runs: the state and ring are read from here instead
+  // (state and conv_ring are only written: a draft run's replay from its
+  // record, with no copy back first).
+  const float* state_src = nullptr;
+  const float* ring_src = nullptr;
 };
 size_t prefill_deltanet_workspace_bytes(int T, int nk, int nv, int dk, int dv);
 // Throws lily::Error for head dims outside {32, 64, 128} or dk != dv.

@@ -204,13 +204,16 @@ __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p)
 }
 
 // The ring keeps the raw input of position p in slot p % K: write the last K
-// (backup: the channel's slots as they were, first).
+// (backup: the channel's slots as they were, first; src: the slots before
+// the run taken from there).
 __global__ void dn_ring_kernel(const float* qkv, size_t ld, int T, int P, int C, float* ring,
-                               float* backup = nullptr) {
+                               float* backup = nullptr, const float* src = nullptr) {
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= C) return;
   if (backup)
     for (int m = 0; m < kConvK; ++m) backup[size_t(ch) * kConvK + m] = ring[size_t(ch) * kConvK + m];
+  if (src)  // the slots before the run from src
+    for (int m = 0; m < kConvK; ++m) ring[size_t(ch) * kConvK + m] = src[size_t(ch) * kConvK + m];
   for (int t = max(0, T - kConvK); t < T; ++t)
     ring[size_t(ch) * kConvK + (P + t) % kConvK] = qkv[size_t(t) * ld + ch];
 }
@@ -716,7 +719,7 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
     // A short run: the recurrent form (prefill_deltanet_run.cu), then the ring.
     launch_deltanet_run(a, stream);
     dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring,
-                                                        a.ring_backup);
+                                                        a.ring_backup, a.ring_src);
     check_launch("dn_ring_kernel");
     for (int i = 1; i <= 4; ++i) mark(i);
     return;
@@ -755,8 +758,9 @@ void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t
     fail("prefill_deltanet: value heads (", a.nv, ") must be a multiple of key heads (", a.nk, ")");
   if (a.T <= 0) return;
   if (a.first_position < 0) fail("prefill_deltanet: negative first position");
-  if ((a.state_backup || a.ring_backup) && a.T > skinny_rows())
-    fail("prefill_deltanet: a backup of the state needs a run of at most ", skinny_rows(), " tokens (got ", a.T, ")");
+  if ((a.state_backup || a.ring_backup || a.state_src || a.ring_src) && a.T > skinny_rows())
+    fail("prefill_deltanet: a backup or source of the state needs a run of at most ", skinny_rows(),
+         " tokens (got ", a.T, ")");
   if (!a.qkv || !a.a || !a.b || !a.conv_w || !a.conv_ring || !a.a_log || !a.dt_bias || !a.state || !a.out)
     fail("prefill_deltanet: a required pointer is null");
   switch (a.dk) {

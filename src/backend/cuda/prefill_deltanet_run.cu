@@ -12,7 +12,8 @@
 // delta rule, the output). The ring gets the run's last inputs in a
 // separate launch after this one (dn_ring_kernel), so that no block reads
 // a slot another block has rewritten. With a.state_backup each block also
-// writes its slice as it was before the run (a draft run's record). Per token the arithmetic is the
+// writes its slice as it was before the run (a draft run's record); with
+// a.state_src / ring_src it starts from those instead (the record's replay). Per token the arithmetic is the
 // decode step's (the same conv sums, the same update), so a run's state
 // equals the one its tokens leave as decode steps, up to the order of the
 // conv sum.
@@ -36,11 +37,14 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
   p.dv = dv;
   p.K = kRunK;
   p.state = a.state;
-  float* S = a.state + size_t(h) * dk * dv + cb * kDnCols;  // row i at S[i * dv + j]
+  const size_t slice = size_t(h) * dk * dv + cb * kDnCols;
+  float* S = a.state + slice;  // row i at S[i * dv + j]
+  const float* S0 = a.state_src ? a.state_src + slice : S;
+  const float* ring = a.ring_src ? a.ring_src : a.conv_ring;
   float sr[kDnMaxRows];
 #pragma unroll
   for (int r = 0; r < kDnMaxRows; ++r)
-    if (r < nr) sr[r] = S[size_t(qg + kDnRowGroups * r) * dv + j];
+    if (r < nr) sr[r] = S0[size_t(qg + kDnRowGroups * r) * dv + j];
   if (a.state_backup) {
     float* B = a.state_backup + size_t(h) * dk * dv + cb * kDnCols;
 #pragma unroll
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
     for (int m = 0; m < kRunK; ++m) w[u][m] = i < nch ? a.conv_w[size_t(ch) * kRunK + m] : 0.f;
 #pragma unroll
     for (int m = 0; m < kRunK - 1; ++m)
-      hist[u][m] = i < nch ? a.conv_ring[size_t(ch) * kRunK + (P + 1 + m) % kRunK] : 0.f;
+      hist[u][m] = i < nch ? ring[size_t(ch) * kRunK + (P + 1 + m) % kRunK] : 0.f;
   }
   const float a_log = a.a_log[h], dt_bias = a.dt_bias[h];
   for (int t = 0; t < a.T; ++t) {
