@@ -421,7 +421,7 @@ TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
 
 // Runs of <= 16 rows over q4 weights: the skinny kernels (weights as the
 // MMA's A operand, read once per run; one and two n8 halves, rings of 1, 2,
-// 4 and 8 groups, f16 and bf16 scales, every output kind, row and
+// 4 and 8 groups, K split over a block's warps or not, f16 and bf16 scales, every output kind, row and
 // column tails), fused parts in one launch, SwiGLU with packed and
 // interleaved gate/up rows; a row's result does not depend on the run's
 // length; prefill_set_skinny_rows(0) takes the tiled kernels.
@@ -437,7 +437,9 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
                         {8, 64, 4096, PrefillOut::F32Add, true}, {9, 129, 256, PrefillOut::F32, false},
                         {13, 300, 1280, PrefillOut::BF16, false}, {16, 77, 4096, PrefillOut::F32Add, false},
                         {4, 70, 64, PrefillOut::F32, false},     {11, 90, 192, PrefillOut::F32Add, true},
-                        {5, 33, 128, PrefillOut::BF16, false}};
+                        {5, 33, 128, PrefillOut::BF16, false},
+                        // >= 2 blocks per SM of 64 rows: each warp over all of K (the others split K in 4)
+                        {3, 17000, 256, PrefillOut::F32, false}, {10, 16900, 512, PrefillOut::BF16, true}};
   uint64_t seed = 400;
   for (const Case& c : cases) run_gemm_case(PrefillWeightFormat::Q4, c.T, c.N, c.K, c.out, c.f16, seed++);
   // q8 codes (16 bytes a lane per group): the router's shape, tails, f16 scales.

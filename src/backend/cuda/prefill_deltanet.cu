@@ -639,8 +639,8 @@ DnLayout dn_layout(int T, int nk, int nv, int dk, int dv) {
 __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z, size_t ld_z,
                                      const float* w, int heads, int dim, float eps, uint16_t* out,
                                      size_t ld_out) {
-  const int t = blockIdx.x, lane = threadIdx.x & 31;
-  for (int hh = threadIdx.x >> 5; hh < heads; hh += blockDim.x >> 5) {
+  const int t = blockIdx.x, lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+  for (int hh = blockIdx.y * wpb + (threadIdx.x >> 5); hh < heads; hh += gridDim.y * wpb) {
     const float* src = o + size_t(t) * ld_o + size_t(hh) * dim;
     float ss = 0.f;
     for (int i = lane; i < dim; i += 32) ss = fmaf(src[i], src[i], ss);
@@ -655,13 +655,22 @@ __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z
   }
 }
 
+// The first kNormCache values of each thread stay in registers between the sum
+// and the output (the same sum order as reading them twice).
+constexpr int kNormCache = 4;
 __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n, float eps,
                                uint16_t* out, size_t ldo) {
   __shared__ float red[32];
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* src = x + size_t(t) * ldx;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) ss = fmaf(src[i], src[i], ss);
+  float ss = 0.f, xv[kNormCache];
+#pragma unroll
+  for (int k = 0; k < kNormCache; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    xv[k] = i < n ? src[i] : 0.f;
+    if (i < n) ss = fmaf(xv[k], xv[k], ss);
+  }
+  for (int i = threadIdx.x + kNormCache * blockDim.x; i < n; i += blockDim.x) ss = fmaf(src[i], src[i], ss);
   ss = p_warp_sum(ss);
   if (lane == 0) red[warp] = ss;
   __syncthreads();
@@ -672,7 +681,12 @@ __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n
   }
   __syncthreads();
   const float inv = 1.f / sqrtf(red[0] / float(n) + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
+#pragma unroll
+  for (int k = 0; k < kNormCache; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (i < n) out[size_t(t) * ldo + i] = f32_to_bf16_bits(xv[k] * inv * w[i]);
+  }
+  for (int i = threadIdx.x + kNormCache * blockDim.x; i < n; i += blockDim.x)
     out[size_t(t) * ldo + i] = f32_to_bf16_bits(src[i] * inv * w[i]);
 }
 
@@ -783,7 +797,9 @@ void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t l
                            cudaStream_t stream) {
   if (T <= 0) return;
   if (!o || !z || !w || !out) fail("prefill_gated_rmsnorm: a pointer is null");
-  gated_rmsnorm_kernel<<<T, 256, 0, stream>>>(o, ld_o, z, ld_z, w, heads, dim, eps, out, ld_out);
+  // A short run: one warp per head (more blocks, the same arithmetic per head).
+  const int ys = T <= skinny_rows() ? std::max(1, std::min((heads + 7) / 8, 65535)) : 1;
+  gated_rmsnorm_kernel<<<dim3(T, ys), 256, 0, stream>>>(o, ld_o, z, ld_z, w, heads, dim, eps, out, ld_out);
   check_launch("gated_rmsnorm_kernel");
 }
 
@@ -791,7 +807,8 @@ void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, f
                      uint16_t* out, size_t ldo, cudaStream_t stream) {
   if (T <= 0) return;
   if (!x || !w || !out) fail("prefill_rmsnorm: a pointer is null");
-  rmsnorm_kernel<<<T, 256, 0, stream>>>(x, ldx, w, n, eps, out, ldo);
+  // A short run: 1,024 threads a row (the loads of a row in flight at once).
+  rmsnorm_kernel<<<T, T <= skinny_rows() ? 1024 : 256, 0, stream>>>(x, ldx, w, n, eps, out, ldo);
   check_launch("rmsnorm_kernel");
 }
 

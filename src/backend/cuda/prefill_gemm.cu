@@ -620,8 +620,11 @@ __device__ __forceinline__ void skinny_frags(uint4 c, uint32_t sb, bool f16, int
   }
 }
 
-template <bool SWIGLU>
-__global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const GemmParams p) {
+// KS > 1 (a short run's few tiles): KS warps share each warp tile, each
+// over 1 / KS of K, and the first adds the others' sums in warp order (KS
+// times the blocks).
+template <bool SWIGLU, int KS>
+__global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kernel(const GemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -629,11 +632,12 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
   if (tile >= *p.num_tiles) return;
   const int expert = p.tile_expert[tile], m0 = p.tile_row0[tile], rows_valid = p.tile_rows[tile];
   const int K = p.K, ldxs = K + 4, KG = K / 64;
+  const int wt = warp / KS, kbeg = (warp % KS) * (KG / KS), kend = kbeg + KG / KS;
 
   // This thread's 4 weight rows: fragment rows g and g + 8 of two m16 tiles
   // (SwiGLU: the same 16 gate rows and up rows, so gate and up of an output
   // meet in one thread).
-  const int nb0 = blockIdx.y * (SWIGLU ? 16 : 32) * kSkWarps;
+  const int nb0 = blockIdx.y * (SWIGLU ? 16 : 32) * (kSkWarps / KS);
   const uint8_t* wrow[4];
   const uint32_t* srow[4];
   bool rok[4];
@@ -644,11 +648,11 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
     const uint8_t* base;
     const uint32_t* sbase;
     if (SWIGLU) {
-      n = nb0 + 16 * warp + g + 8 * hh;
+      n = nb0 + 16 * wt + g + 8 * hh;
       base = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes;
       sbase = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
     } else {
-      n = nb0 + 32 * warp + 16 * mt + g + 8 * hh;
+      n = nb0 + 32 * wt + 16 * mt + g + 8 * hh;
       base = p.w + size_t(expert) * p.expert_w_bytes;
       sbase = p.sb + size_t(expert) * p.expert_sb_words;
     }
@@ -661,12 +665,12 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
   auto load_group = [&](int kg, uint2 (&c)[4], uint32_t (&sb)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
-      sb[i] = rok[i] && kg < KG ? __ldg(srow[i] + kg) : 0u;
+      c[i] = rok[i] && kg < kend ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
+      sb[i] = rok[i] && kg < kend ? __ldg(srow[i] + kg) : 0u;
     }
   };
 #pragma unroll
-  for (int d = 0; d < kSkRing - 1; ++d) load_group(d, cw[d], cs[d]);
+  for (int d = 0; d < kSkRing - 1; ++d) load_group(kbeg + d, cw[d], cs[d]);
 
   // The tile's x rows (rows past rows_valid zero-filled), 8-byte copies.
   const int cpr = K / 4;
@@ -683,7 +687,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
 
   float acc[2][2][4] = {};
   const bool f16 = p.sb_f16 != 0;
-  for (int kg0 = 0; kg0 < KG; kg0 += kSkRing) {
+  for (int kg0 = kbeg; kg0 < kend; kg0 += kSkRing) {
 #pragma unroll
     for (int d = 0; d < kSkRing; ++d) {
       const int kg = kg0 + d;
@@ -704,6 +708,21 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
     }
   }
 
+  if constexpr (KS > 1) {  // the slices' sums, in warp order, through the x tile's memory
+    float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
+    __syncthreads();
+    if (warp % KS != 0) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) red[(warp * 16 + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
+    }
+    __syncthreads();
+    if (warp % KS != 0) return;
+#pragma unroll
+    for (int w = 1; w < KS; ++w)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((warp + w) * 16 + i) * 32 + lane];
+  }
+
   // acc[mt][nt][e]: weight row g + 8 (e >> 1) of m-tile mt, token 8 nt + 2t + (e & 1).
   uint16_t* y = static_cast<uint16_t*>(p.y);
 #pragma unroll
@@ -714,12 +733,12 @@ __global__ void __launch_bounds__(kSkWarps * 32, 2) moe_skinny_kernel(const Gemm
       if (tok >= rows_valid) continue;
       uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
       if constexpr (SWIGLU) {
-        const int col = nb0 + 16 * warp + g + 8 * (e >> 1);
+        const int col = nb0 + 16 * wt + g + 8 * (e >> 1);
         if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
       } else {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          const int col = nb0 + 32 * warp + 16 * mt + g + 8 * (e >> 1);
+          const int col = nb0 + 32 * wt + 16 * mt + g + 8 * (e >> 1);
           if (col < p.N) yr[col] = f32_to_bf16_bits(acc[mt][nt][e]);
         }
       }
@@ -732,9 +751,13 @@ bool moe_skinny_fits(const PrefillMoeArgs& a) {
          a.inter % 256 == 0 && size_t(kSkRows) * (std::max(a.hidden, a.inter) * 2 + 8) <= size_t(kSkMaxSmem);
 }
 
-void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s) {
-  const size_t smem = size_t(kSkRows) * (p.K * 2 + 8);
-  const int cols = (swiglu ? 16 : 32) * kSkWarps;
+// split: a short run's few tiles: K over 4 or 2 warps where a warp's share
+// keeps a whole turn of the register ring.
+void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s, bool split = false) {
+  const int KG = p.K / 64;
+  const int ks = !split ? 1 : (KG / 4) % kSkRing == 0 ? 4 : (KG / 2) % kSkRing == 0 ? 2 : 1;
+  const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0);
+  const int cols = (swiglu ? 16 : 32) * kSkWarps / ks;
   const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
   auto go = [&](auto kernel) {
     static const bool attr_ok = [&] {
@@ -746,9 +769,10 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
     kernel<<<grid, kSkWarps * 32, smem, s>>>(p);
   };
   if (swiglu)
-    go(moe_skinny_kernel<true>);
+    ks == 4 ? go(moe_skinny_kernel<true, 4>) : ks == 2 ? go(moe_skinny_kernel<true, 2>) : go(moe_skinny_kernel<true, 1>);
   else
-    go(moe_skinny_kernel<false>);
+    ks == 4 ? go(moe_skinny_kernel<false, 4>) : ks == 2 ? go(moe_skinny_kernel<false, 2>)
+            : go(moe_skinny_kernel<false, 1>);
   check_launch("prefill MoE skinny kernel");
 }
 
@@ -761,14 +785,18 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // operand of m16n8k16 (16 rows per warp, the lane's 8 code bytes per group
 // straight into registers, RING - 1 groups ahead; RING is the most groups
 // up to 8 that divide K / 64) and the run's rows are N
-// (NT n8 halves; the rows past T are zeros, not loaded). A block is 4 warps, 64 weight rows
-// (SwiGLU: 64 outputs, their gate and up rows), so a 2,048-row matrix takes
-// 32 blocks and Qwen3.6's in_proj 193. Several matrices of the same input
-// (a DeltaNet layer's qkv / z / b / a) run as parts of one launch, each
-// into its own output columns. Every output is written by one thread, once:
-// the result does not depend on the launch shape.
+// (NT n8 halves; the rows past T are zeros, not loaded). A block is 4 warps:
+// with KS = 1 each takes 16 weight rows over all of K (64 rows a block, so
+// Qwen3.6's in_proj takes 193 blocks); a matrix that would give fewer than
+// two blocks per SM that way (out_proj, o_proj, the shared expert, the
+// router: 5 to 32 blocks) takes KS = 4: the 4 warps take one 16-row tile
+// over a quarter of K each and add their sums through shared memory in warp
+// order, 4x the blocks. SwiGLU: 16 outputs a warp tile (their gate and up
+// rows). Several matrices of the same input (a DeltaNet layer's qkv / z /
+// b / a) run as parts of one launch, each into its own output columns. KS
+// follows from the shapes alone and every output is summed in a fixed
+// order and written once, so a row's result does not depend on T.
 constexpr int kSdWarps = 4;
-constexpr int kSdRowsPerBlock = 16 * kSdWarps;
 constexpr int kSdMaxRows = 16;
 constexpr int kSdMaxParts = 4;
 constexpr int kSdMaxSmem = 200 * 1024;
@@ -796,7 +824,7 @@ GemmParams base_params(const PrefillWeight& w);
 
 size_t skinny_smem_bytes(int T, int K) { return size_t(T) * (size_t(K) * 2 + 8); }
 
-template <int NT, int RING, bool SWIGLU, int BITS>
+template <int NT, int RING, bool SWIGLU, int BITS, int KS>
 __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid_constant__ SkinnyParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
@@ -809,7 +837,10 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 #pragma unroll
   for (int i = 1; i < kSdMaxParts; ++i)
     if (i < p.nparts && int(blockIdx.x) >= p.part[i].block0) P = p.part[i];
-  const int n0 = (int(blockIdx.x) - P.block0) * kSdRowsPerBlock + 16 * warp;
+  constexpr int kRowsPerBlock = 16 * (kSdWarps / KS);
+  const int n0 = (int(blockIdx.x) - P.block0) * kRowsPerBlock + 16 * (warp / KS);
+  // The warp's groups of K: [kbeg, kend).
+  const int kbeg = (warp % KS) * (KG / KS), kend = kbeg + KG / KS;
 
   const uint8_t* wrow[R];
   const uint32_t* srow[R];
@@ -829,12 +860,12 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   auto load_group = [&](int kg, Codes (&c)[R], uint32_t (&sb)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      c[i] = rok[i] && kg < KG ? __ldg(reinterpret_cast<const Codes*>(wrow[i] + size_t(kg) * 8 * BITS)) : Codes{};
-      sb[i] = rok[i] && kg < KG ? __ldg(srow[i] + kg) : 0u;
+      c[i] = rok[i] && kg < kend ? __ldg(reinterpret_cast<const Codes*>(wrow[i] + size_t(kg) * 8 * BITS)) : Codes{};
+      sb[i] = rok[i] && kg < kend ? __ldg(srow[i] + kg) : 0u;
     }
   };
 #pragma unroll
-  for (int d = 0; d < RING - 1; ++d) load_group(d, cw[d], cs[d]);
+  for (int d = 0; d < RING - 1; ++d) load_group(kbeg + d, cw[d], cs[d]);
 
   // The run's M rows, 8-byte copies (the MMAs take zeros for rows past M).
   const int cpr = K / 4;
@@ -849,7 +880,7 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 
   float acc[MT][NT][4] = {};
   const bool f16 = P.sb_f16 != 0;
-  for (int kg0 = 0; kg0 < KG; kg0 += RING) {
+  for (int kg0 = kbeg; kg0 < kend; kg0 += RING) {
 #pragma unroll
     for (int d = 0; d < RING; ++d) {
       const int kg = kg0 + d;
@@ -869,6 +900,28 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
         }
       }
     }
+  }
+
+  if constexpr (KS > 1) {  // the tile's K quarters summed by its first warp, in warp order
+    __shared__ float red[kSdWarps][MT * NT * 4][32];
+    if (warp % KS != 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) red[warp][(mt * NT + nt) * 4 + e][lane] = acc[mt][nt][e];
+    }
+    __syncthreads();
+    if (warp % KS != 0) return;
+#pragma unroll
+    for (int w = 1; w < KS; ++w)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] += red[warp + w][(mt * NT + nt) * 4 + e][lane];
   }
 
   // acc[mt][nt][e]: weight row n0 + g + 8 (e >> 1) (of the gate / up for
@@ -905,9 +958,9 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
   return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
 }
 
-template <int NT, int RING, bool SWIGLU, int BITS>
+template <int NT, int RING, bool SWIGLU, int BITS, int KS>
 void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
-  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS>;
+  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS>;
   static const bool attr_ok = [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
           "cudaFuncSetAttribute(prefill skinny GEMM)");
@@ -918,37 +971,51 @@ void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
   check_launch("prefill skinny GEMM");
 }
 
-template <bool SWIGLU, int BITS>
+template <bool SWIGLU, int BITS, int KS>
 void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
   if (blocks > 2147483647 / 2) fail("prefill skinny GEMM: too many output rows");
   // The ring: the most groups (up to 8; 4 for q8 SwiGLU, whose 4 rows of 16
-  // bytes a lane would spill at 8) that divide the row's K / 64.
-  const int KG = p.K / 64;
+  // bytes a lane would spill at 8) that divide a warp's K / 64 / KS.
+  const int KG = p.K / 64 / KS;
   constexpr int kMaxRing = SWIGLU && BITS == 8 ? 4 : 8;
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS>(p, blocks, s);
-    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS>(p, blocks, s);
-    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS>(p, blocks, s);
-    else launch_skinny_t<NT, 1, SWIGLU, BITS>(p, blocks, s);
+    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS>(p, blocks, s);
+    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS, KS>(p, blocks, s);
+    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS>(p, blocks, s);
+    else launch_skinny_t<NT, 1, SWIGLU, BITS, KS>(p, blocks, s);
   };
   if (p.M <= 8) go(std::integral_constant<int, 1>{});
   else go(std::integral_constant<int, 2>{});
 }
+
+// Lays the parts out over blocks (SkinnyPart::block0) for the split of K
+// the shapes call for, and launches.
 template <bool SWIGLU>
-void launch_skinny(const SkinnyParams& p, int blocks, PrefillWeightFormat fmt, cudaStream_t s) {
-  if (fmt == PrefillWeightFormat::Q4) launch_skinny<SWIGLU, 4>(p, blocks, s);
-  else launch_skinny<SWIGLU, 8>(p, blocks, s);
+void plan_and_launch_skinny(SkinnyParams& p, PrefillWeightFormat fmt, cudaStream_t s) {
+  auto blocks_for = [&](int rows_per_block) {
+    int b = 0;
+    for (int i = 0; i < p.nparts; ++i) {
+      p.part[i].block0 = b;
+      b += (p.part[i].rows + rows_per_block - 1) / rows_per_block;
+    }
+    return b;
+  };
+  int blocks = blocks_for(16 * kSdWarps);
+  const bool split = blocks < 2 * sm_count() && (p.K / 64) % kSdWarps == 0;
+  if (split) blocks = blocks_for(16);
+  const bool q4 = fmt == PrefillWeightFormat::Q4;
+  if (split) q4 ? launch_skinny<SWIGLU, 4, kSdWarps>(p, blocks, s) : launch_skinny<SWIGLU, 8, kSdWarps>(p, blocks, s);
+  else q4 ? launch_skinny<SWIGLU, 4, 1>(p, blocks, s) : launch_skinny<SWIGLU, 8, 1>(p, blocks, s);
 }
 
 // y (columns [0, sum of rows)) = x . [parts]^T: one launch.
 void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
                  PrefillOut out, cudaStream_t stream) {
   SkinnyParams p{};
-  int blocks = 0, col = 0;
+  int col = 0;
   for (int i = 0; i < n; ++i) {
-    p.part[i] = skinny_part(parts[i], col, blocks);
-    blocks += (parts[i].rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock;
+    p.part[i] = skinny_part(parts[i], col, 0);
     col += parts[i].rows;
   }
   p.nparts = n;
@@ -959,7 +1026,7 @@ void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, si
   p.y = y;
   p.ldy = ldy;
   p.out_kind = int(out);
-  launch_skinny<false>(p, blocks, parts[0].fmt, stream);
+  plan_and_launch_skinny<false>(p, parts[0].fmt, stream);
 }
 
 // w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
@@ -1457,7 +1524,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
     p.y = h;
     p.ldy = ldh;
     p.out_kind = int(PrefillOut::BF16);
-    return launch_skinny<true>(p, (gate.rows + kSdRowsPerBlock - 1) / kSdRowsPerBlock, gate.fmt, stream);
+    return plan_and_launch_skinny<true>(p, gate.fmt, stream);
   }
   if (expand_pays(gate, T, scratch, 2)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
@@ -1587,8 +1654,9 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
   mark(1);
+  const bool short_run = a.T <= skinny_rows();  // K split over warps: more blocks for few tiles
   if (bm == kSkRows)
-    launch_moe_skinny(p, true, max_tiles, stream);
+    launch_moe_skinny(p, true, max_tiles, stream, short_run);
   else
     launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
   mark(2);
@@ -1605,7 +1673,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::BF16);
   if (bm == kSkRows)
-    launch_moe_skinny(q, false, max_tiles, stream);
+    launch_moe_skinny(q, false, max_tiles, stream, short_run);
   else
     launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
