@@ -25,6 +25,7 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kRunK = 4;  // conv taps (prefill_deltanet: 4 only)
+constexpr int kRunMaxT = 16;  // tokens whose inputs are staged at once
 
 __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constant__ PrefillDeltaNetArgs a) {
   const int h = blockIdx.x, cb = blockIdx.y;
@@ -69,13 +70,32 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
       hist[u][m] = i < nch ? ring[size_t(ch) * kRunK + (P + 1 + m) % kRunK] : 0.f;
   }
   const float a_log = a.a_log[h], dt_bias = a.dt_bias[h];
+  // The run's raw inputs of the block's channels, and b / a, all loaded at
+  // once (kRunMaxT tokens at a time) instead of one token's per step.
+  __shared__ float xin[kRunMaxT][kDnChPerThread][kDnThreads];
+  __shared__ float bain[kRunMaxT][2];
   for (int t = 0; t < a.T; ++t) {
-    const float* row = a.qkv + size_t(t) * a.ld_qkv;
+    const int tt = t % kRunMaxT;
+    if (tt == 0) {
+      const int n = min(kRunMaxT, a.T - t);
+      __syncthreads();  // the previous batch is used up
+      for (int r = 0; r < n; ++r) {
+        const float* row = a.qkv + size_t(t + r) * a.ld_qkv;
+#pragma unroll
+        for (int u = 0; u < kDnChPerThread; ++u)
+          if (tid + u * kDnThreads < nch) xin[r][u][tid] = row[chs[u]];
+      }
+      if (tid < 2 * n) {
+        const int r = tid >> 1;
+        bain[r][tid & 1] = (tid & 1) ? a.a[size_t(t + r) * a.ld_ab + h] : a.b[size_t(t + r) * a.ld_ab + h];
+      }
+      __syncthreads();
+    }
 #pragma unroll
     for (int u = 0; u < kDnChPerThread; ++u) {
       const int i = tid + u * kDnThreads;
       if (i >= nch) continue;
-      const float x = row[chs[u]];
+      const float x = xin[tt][u][tid];
       float s = 0.f;
 #pragma unroll
       for (int m = 0; m < kRunK - 1; ++m) s += w[u][m] * hist[u][m];
@@ -87,7 +107,7 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
       else if (i < 2 * dk) ks[i - dk] = y;
       else vs[i - 2 * dk] = y;
     }
-    const float b = a.b[size_t(t) * a.ld_ab + h], av = a.a[size_t(t) * a.ld_ab + h];
+    const float b = bain[tt][0], av = bain[tt][1];
     p.out = a.out + size_t(t) * a.ld_out;
     __syncthreads();
     dn_update_fused<true>(p, h, cb, tid, sr, qs, ks, vs, b, av, a_log, dt_bias, [] { __syncthreads(); });

@@ -28,7 +28,9 @@ __global__ void __launch_bounds__(kPrepWarps * 32) attn_prep_kernel(const AttnPr
   const float* row = p.proj + size_t(t) * p.ld_proj;
   const float* kbase = row + size_t(p.nh) * p.q_head_stride;
   float* b = buf[warp];
-  for (int h = warp; h < p.nh + p.nkv; h += kPrepWarps) {
+  // Heads over the warps of the row's gridDim.y blocks (a short run: one
+  // head a warp; the same arithmetic per head).
+  for (int h = blockIdx.y * kPrepWarps + warp; h < p.nh + p.nkv; h += gridDim.y * kPrepWarps) {
     const bool isq = h < p.nh;
     const float* src = isq ? row + size_t(h) * p.q_head_stride : kbase + size_t(h - p.nh) * hd;
     const float* nw = isq ? p.q_norm : p.k_norm;
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kPrepWarps * 32) attn_prep_kernel(const AttnPr
     __syncwarp();
   }
   const float* vsrc = kbase + size_t(p.nkv) * hd;
-  for (int idx = threadIdx.x; idx < p.nkv * hd; idx += blockDim.x) {
+  for (int idx = blockIdx.y * blockDim.x + threadIdx.x; idx < p.nkv * hd; idx += gridDim.y * blockDim.x) {
     const int h = idx / hd, d = idx - h * hd;
     p.v_cache[(size_t(h) * p.capacity + pos) * hd + d] = bf16_of(vsrc[idx]);
   }
@@ -134,7 +136,9 @@ void launch_attn_prep(const AttnPrepParams& p, cudaStream_t s) {
     fail("attn_prep: rotary_dim ", p.rotary_dim, " must be even and at most head_dim ", p.hd);
   if (p.P < 0 || p.P + p.T > p.capacity)
     fail("attn_prep: positions [", p.P, ", ", p.P + p.T, ") exceed the cache capacity ", p.capacity);
-  launch_kernel("attn_prep", attn_prep_kernel, dim3(p.T), dim3(kPrepWarps * 32), 0, s, false, p);
+  // Up to 16 rows: one warp a head (more blocks a row for the same work).
+  const int ys = p.T <= 16 ? (p.nh + p.nkv + kPrepWarps - 1) / kPrepWarps : 1;
+  launch_kernel("attn_prep", attn_prep_kernel, dim3(p.T, ys), dim3(kPrepWarps * 32), 0, s, false, p);
 }
 
 }  // namespace lily::cuda
