@@ -751,29 +751,37 @@ bool moe_skinny_fits(const PrefillMoeArgs& a) {
          a.inter % 256 == 0 && size_t(kSkRows) * (std::max(a.hidden, a.inter) * 2 + 8) <= size_t(kSkMaxSmem);
 }
 
-// split: a short run's few tiles: K over 4 or 2 warps where a warp's share
-// keeps a whole turn of the register ring.
-void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s, bool split = false) {
-  const int KG = p.K / 64;
-  const int ks = !split ? 1 : (KG / 4) % kSkRing == 0 ? 4 : (KG / 2) % kSkRing == 0 ? 2 : 1;
-  const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0);
-  const int cols = (swiglu ? 16 : 32) * kSkWarps / ks;
-  const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
-  auto go = [&](auto kernel) {
-    static const bool attr_ok = [&] {
-      check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSkMaxSmem),
-            "cudaFuncSetAttribute(prefill MoE skinny kernel)");
-      return true;
-    }();
-    (void)attr_ok;
-    kernel<<<grid, kSkWarps * 32, smem, s>>>(p);
-  };
-  if (swiglu)
-    ks == 4 ? go(moe_skinny_kernel<true, 4>) : ks == 2 ? go(moe_skinny_kernel<true, 2>) : go(moe_skinny_kernel<true, 1>);
-  else
-    ks == 4 ? go(moe_skinny_kernel<false, 4>) : ks == 2 ? go(moe_skinny_kernel<false, 2>)
-            : go(moe_skinny_kernel<false, 1>);
+template <bool SWIGLU, int KS>
+void launch_moe_skinny_t(const GemmParams& p, dim3 grid, size_t smem, cudaStream_t s) {
+  static const bool attr_ok = [] {  // once per kernel
+    check(cudaFuncSetAttribute(moe_skinny_kernel<SWIGLU, KS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kSkMaxSmem),
+          "cudaFuncSetAttribute(prefill MoE skinny kernel)");
+    return true;
+  }();
+  (void)attr_ok;
+  moe_skinny_kernel<SWIGLU, KS><<<grid, kSkWarps * 32, smem, s>>>(p);
   check_launch("prefill MoE skinny kernel");
+}
+
+// A run with few tiles (the grid under two blocks per SM at most): K over 4
+// or 2 warps, where a warp's share keeps a whole turn of the register ring.
+void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s) {
+  const int KG = p.K / 64;
+  const int cols1 = (swiglu ? 16 : 32) * kSkWarps;
+  const bool few = size_t(max_tiles) * ((p.N + cols1 - 1) / cols1) < size_t(2 * sm_count());
+  const int ks = !few ? 1 : (KG / 4) % kSkRing == 0 ? 4 : (KG / 2) % kSkRing == 0 ? 2 : 1;
+  const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0);
+  const int cols = cols1 / ks;
+  const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
+  if (swiglu)
+    ks == 4 ? launch_moe_skinny_t<true, 4>(p, grid, smem, s)
+    : ks == 2 ? launch_moe_skinny_t<true, 2>(p, grid, smem, s)
+              : launch_moe_skinny_t<true, 1>(p, grid, smem, s);
+  else
+    ks == 4 ? launch_moe_skinny_t<false, 4>(p, grid, smem, s)
+    : ks == 2 ? launch_moe_skinny_t<false, 2>(p, grid, smem, s)
+              : launch_moe_skinny_t<false, 1>(p, grid, smem, s);
 }
 
 // ---- Skinny dense GEMM (q4 / q8 weights, runs of <= 16 rows) -------------------
@@ -1654,9 +1662,8 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   p.ldy = a.inter;
   p.out_kind = int(PrefillOut::BF16);
   mark(1);
-  const bool short_run = a.T <= skinny_rows();  // K split over warps: more blocks for few tiles
   if (bm == kSkRows)
-    launch_moe_skinny(p, true, max_tiles, stream, short_run);
+    launch_moe_skinny(p, true, max_tiles, stream);
   else
     launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
   mark(2);
@@ -1673,7 +1680,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   q.ldy = a.hidden;
   q.out_kind = int(PrefillOut::BF16);
   if (bm == kSkRows)
-    launch_moe_skinny(q, false, max_tiles, stream, short_run);
+    launch_moe_skinny(q, false, max_tiles, stream);
   else
     launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
   mark(3);
