@@ -420,8 +420,9 @@ TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
 }
 
 // Runs of <= 16 rows over q4 weights: the skinny kernels (weights as the
-// MMA's A operand, read once per run; one and two n8 halves, rings of 1, 2,
-// 4 and 8 groups, K split over a block's warps or not, f16 and bf16 scales, every output kind, row and
+// MMA's A operand, read once per run in 64-byte units; one and two n8
+// halves, rings of 1, 2 and 4 units, K split over a block's warps or not;
+// q4 with K % 128 != 0 takes the tiled kernels, f16 and bf16 scales, every output kind, row and
 // column tails), fused parts in one launch, SwiGLU with packed and
 // interleaved gate/up rows; a row's result does not depend on the run's
 // length; prefill_set_skinny_rows(0) takes the tiled kernels.

@@ -623,6 +623,34 @@ __device__ __forceinline__ void skinny_frags(uint4 c, uint32_t sb, bool f16, int
 // KS > 1 (a short run's few tiles): KS warps share each warp tile, each
 // over 1 / KS of K, and the first adds the others' sums in warp order (KS
 // times the blocks).
+// 32 q4 weights of one row (a lane's 16 bytes of a 64-byte unit, k = 32 t
+// .. 32 t + 31 of the unit's 128) as the A fragments of the unit's 8 k16
+// steps: step j takes k = 32 t + 4 j .. + 3, i.e. bytes 2 (j & 1) and + 1 of
+// word j / 2; sb is the lane's group's scale/bias word.
+__device__ __forceinline__ void skinny_frags_q4x2(uint4 c, uint32_t sb, bool f16, int hh, uint32_t (&a)[8][4]) {
+  const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+  if (!f16) {
+    __nv_bfloat162 S, B;
+    scale_bias_bf162(sb, S, B);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i][hh] = q4_pair_bf16<0>(w[i], S, B);
+      a[2 * i][2 + hh] = q4_pair_bf16<1>(w[i], S, B);
+      a[2 * i + 1][hh] = q4_pair_bf16<2>(w[i], S, B);
+      a[2 * i + 1][2 + hh] = q4_pair_bf16<3>(w[i], S, B);
+    }
+  } else {
+    const float2 sc = scale_bias(sb, 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      a[2 * i][hh] = skinny_pair_f32<0>(w[i], sc);
+      a[2 * i][2 + hh] = skinny_pair_f32<1>(w[i], sc);
+      a[2 * i + 1][hh] = skinny_pair_f32<2>(w[i], sc);
+      a[2 * i + 1][2 + hh] = skinny_pair_f32<3>(w[i], sc);
+    }
+  }
+}
+
 template <bool SWIGLU, int KS>
 __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kernel(const GemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -790,9 +818,10 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // expanded in shared memory per block: the DeltaNet in_proj took ~46 us at
 // T = 2 on the H200 against ~10-13 us for the decode matvec over the same
 // bytes. Here, as in the skinny MoE kernel above, the weights are the A
-// operand of m16n8k16 (16 rows per warp, the lane's 8 code bytes per group
-// straight into registers, RING - 1 groups ahead; RING is the most groups
-// up to 8 that divide K / 64) and the run's rows are N
+// operand of m16n8k16 (16 rows per warp; per 64-byte unit of a row, lane t
+// of a quad takes bytes 16 t .. + 15 straight into registers, so a quad
+// reads 64 contiguous bytes, RING - 1 units ahead; the k order inside a
+// unit is permuted to match, as in the MoE kernel) and the run's rows are N
 // (NT n8 halves; the rows past T are zeros, not loaded). A block is 4 warps:
 // with KS = 1 each takes 16 weight rows over all of K (64 rows a block, so
 // Qwen3.6's in_proj takes 193 blocks); a matrix that would give fewer than
@@ -839,7 +868,11 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   constexpr int R = SWIGLU ? 4 : 2;  // weight rows per lane: g and g + 8 (of gate and up)
   constexpr int MT = SWIGLU ? 2 : 1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int K = p.K, ldxs = K + 4, KG = K / 64;
+  // A unit: 64 code bytes of a row (q4: 128 inputs, two scale groups; q8:
+  // 64 inputs), lane t's 16 of them at 16 t, so a quad reads its row's unit
+  // in one contiguous 64-byte piece.
+  constexpr int kPerUnit = BITS == 4 ? 128 : 64, kSteps = kPerUnit / 16;
+  const int K = p.K, ldxs = K + 4, KU = K / kPerUnit;
   // The block's part (unrolled selects: no dynamic index into the parameters).
   SkinnyPart P = p.part[0];
 #pragma unroll
@@ -847,8 +880,9 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     if (i < p.nparts && int(blockIdx.x) >= p.part[i].block0) P = p.part[i];
   constexpr int kRowsPerBlock = 16 * (kSdWarps / KS);
   const int n0 = (int(blockIdx.x) - P.block0) * kRowsPerBlock + 16 * (warp / KS);
-  // The warp's groups of K: [kbeg, kend).
-  const int kbeg = (warp % KS) * (KG / KS), kend = kbeg + KG / KS;
+  // The warp's units of K: [kbeg, kend).
+  const int kbeg = (warp % KS) * (KU / KS), kend = kbeg + KU / KS;
+  const int sb_lane = BITS == 4 ? t >> 1 : 0;  // the lane's scale group within a unit
 
   const uint8_t* wrow[R];
   const uint32_t* srow[R];
@@ -859,17 +893,16 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     const uint8_t* base = SWIGLU && i >= 2 ? p.w2 : P.w;
     const uint32_t* sbase = SWIGLU && i >= 2 ? p.sb2 : P.sb;
     rok[i] = n < P.rows;
-    wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 2 * BITS * t;
-    srow[i] = sbase + size_t(rok[i] ? n : 0) * P.sb_row_stride;
+    wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 16 * t;
+    srow[i] = sbase + size_t(rok[i] ? n : 0) * P.sb_row_stride + sb_lane;
   }
-  using Codes = std::conditional_t<BITS == 4, uint2, uint4>;  // the lane's codes of one group
-  Codes cw[RING][R];
+  uint4 cw[RING][R];
   uint32_t cs[RING][R];
-  auto load_group = [&](int kg, Codes (&c)[R], uint32_t (&sb)[R]) {
+  auto load_group = [&](int u, uint4 (&c)[R], uint32_t (&sb)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      c[i] = rok[i] && kg < kend ? __ldg(reinterpret_cast<const Codes*>(wrow[i] + size_t(kg) * 8 * BITS)) : Codes{};
-      sb[i] = rok[i] && kg < kend ? __ldg(srow[i] + kg) : 0u;
+      c[i] = rok[i] && u < kend ? __ldg(reinterpret_cast<const uint4*>(wrow[i] + size_t(u) * 64)) : uint4{};
+      sb[i] = rok[i] && u < kend ? __ldg(srow[i] + u * (BITS == 4 ? 2 : 1)) : 0u;
     }
   };
 #pragma unroll
@@ -893,16 +926,21 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     for (int d = 0; d < RING; ++d) {
       const int kg = kg0 + d;
       load_group(kg + RING - 1, cw[(d + RING - 1) % RING], cs[(d + RING - 1) % RING]);
-      uint32_t a[MT][4][4];
+      uint32_t a[MT][kSteps][4];
 #pragma unroll
-      for (int i = 0; i < R; ++i) skinny_frags(cw[d][i], cs[d][i], f16, i & 1, a[i >> 1]);
+      for (int i = 0; i < R; ++i) {
+        if constexpr (BITS == 4) skinny_frags_q4x2(cw[d][i], cs[d][i], f16, i & 1, a[i >> 1]);
+        else skinny_frags(cw[d][i], cs[d][i], f16, i & 1, a[i >> 1]);
+      }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kSteps; ++j) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint2 b = 8 * nt + g < p.M
-                              ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * 64 + 16 * t + 4 * j)
-                              : make_uint2(0, 0);
+          // Step j takes k = unit + (kPerUnit / 4) t + 4 j .. + 3 from every lane t.
+          const uint2 b =
+              8 * nt + g < p.M
+                  ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * kPerUnit + (kPerUnit / 4) * t + 4 * j)
+                  : make_uint2(0, 0);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[mt][nt], a[mt][j], b.x, b.y);
         }
@@ -955,9 +993,11 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 
 int g_skinny_max_rows = kSdMaxRows;
 
-// q4 or q8, T <= the skinny limit, the run's rows fit in shared memory.
+// q4 (K a multiple of 128: whole units) or q8, T <= the skinny limit, the
+// run's rows fit in shared memory.
 bool skinny_fits(const PrefillWeight& w, int T) {
   return T >= 1 && T <= g_skinny_max_rows && w.fmt != PrefillWeightFormat::BF16 &&
+         (w.fmt != PrefillWeightFormat::Q4 || w.cols % 128 == 0) &&
          skinny_smem_bytes(T, w.cols) <= size_t(kSdMaxSmem);
 }
 
@@ -982,10 +1022,11 @@ void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
 template <bool SWIGLU, int BITS, int KS>
 void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
   if (blocks > 2147483647 / 2) fail("prefill skinny GEMM: too many output rows");
-  // The ring: the most groups (up to 8; 4 for q8 SwiGLU, whose 4 rows of 16
-  // bytes a lane would spill at 8) that divide a warp's K / 64 / KS.
-  const int KG = p.K / 64 / KS;
-  constexpr int kMaxRing = SWIGLU && BITS == 8 ? 4 : 8;
+  // The ring: the most units (64 code bytes a row; up to 8, 4 for SwiGLU
+  // (4 rows of 16 bytes a lane) and for q4 (two groups a unit)) that divide
+  // a warp's share of K.
+  const int KG = p.K / (BITS == 4 ? 128 : 64) / KS;
+  constexpr int kMaxRing = SWIGLU || BITS == 4 ? 4 : 8;
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
     if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS>(p, blocks, s);
@@ -1010,7 +1051,7 @@ void plan_and_launch_skinny(SkinnyParams& p, PrefillWeightFormat fmt, cudaStream
     return b;
   };
   int blocks = blocks_for(16 * kSdWarps);
-  const bool split = blocks < 2 * sm_count() && (p.K / 64) % kSdWarps == 0;
+  const bool split = blocks < 2 * sm_count() && (p.K / (fmt == PrefillWeightFormat::Q4 ? 128 : 64)) % kSdWarps == 0;
   if (split) blocks = blocks_for(16);
   const bool q4 = fmt == PrefillWeightFormat::Q4;
   if (split) q4 ? launch_skinny<SWIGLU, 4, kSdWarps>(p, blocks, s) : launch_skinny<SWIGLU, 8, kSdWarps>(p, blocks, s);
