@@ -65,7 +65,7 @@ struct CudaOptions {
   int skinny_rows = 16;
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
-  bool draft_graph = false;
+  bool draft_graph = true;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
