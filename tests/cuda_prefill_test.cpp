@@ -845,12 +845,10 @@ DnInputs dn_slice(const DnModel& m, const DnInputs& in, int t0, int T) {
 // poisoned first). backup: the call also writes the state and ring as they
 // were (PrefillDeltaNetArgs::state_backup / ring_backup), checked here bit
 // for bit against copies taken before it.
-std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs& in, int T, int P,
-                                bool backup = false) {
-  Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
-  const size_t ld_out = size_t(m.nv) * m.d + 4;
-  Dev out(size_t(T) * ld_out * 4);
-  ck(cudaMemset(out.p, 0xFF, out.bytes), "memset");
+// The arguments for T tokens after P on `dev` from device inputs (rows of
+// C, and of nv for a / b), outputs to out [T][ld_out]; no workspace.
+PrefillDeltaNetArgs dn_args(const DnModel& m, DnDevice& dev, const Dev& dq, const Dev& da, const Dev& db, int T,
+                            int P, Dev& out, size_t ld_out) {
   PrefillDeltaNetArgs args;
   args.T = T;
   args.first_position = P;
@@ -870,6 +868,16 @@ std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs&
   args.state = dev.state.as<float>();
   args.out = out.as<float>();
   args.ld_out = ld_out;
+  return args;
+}
+
+std::vector<float> gpu_deltanet(const DnModel& m, DnDevice& dev, const DnInputs& in, int T, int P,
+                                bool backup = false) {
+  Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
+  const size_t ld_out = size_t(m.nv) * m.d + 4;
+  Dev out(size_t(T) * ld_out * 4);
+  ck(cudaMemset(out.p, 0xFF, out.bytes), "memset");
+  PrefillDeltaNetArgs args = dn_args(m, dev, dq, da, db, T, P, out, ld_out);
   args.workspace_bytes = prefill_deltanet_workspace_bytes(T, m.nk, m.nv, m.d, m.d);
   Dev ws(args.workspace_bytes);
   args.workspace = ws.p;
@@ -992,24 +1000,7 @@ TEST(CudaPrefillDeltaNet, ShortRunsMatchCpu) {
     Dev dq = upload(in.qkv), da = upload(in.a), db = upload(in.b);
     const size_t state_n = st.size(), ring_n = size_t(m.C) * 4, ld_out = size_t(m.nv) * m.d;
     Dev sb(state_n * 4), rb(ring_n * 4), o1(5 * ld_out * 4), o2(5 * ld_out * 4);
-    PrefillDeltaNetArgs args;
-    args.T = 5;
-    args.first_position = 7;
-    args.nk = m.nk;
-    args.nv = m.nv;
-    args.dk = args.dv = m.d;
-    args.qkv = dq.as<float>();
-    args.ld_qkv = m.C;
-    args.a = da.as<float>();
-    args.b = db.as<float>();
-    args.ld_ab = m.nv;
-    args.conv_w = dev.conv_w.as<float>();
-    args.conv_ring = dev.ring.as<float>();
-    args.a_log = dev.a_log.as<float>();
-    args.dt_bias = dev.dt_bias.as<float>();
-    args.state = dev.state.as<float>();
-    args.out = o1.as<float>();
-    args.ld_out = ld_out;
+    PrefillDeltaNetArgs args = dn_args(m, dev, dq, da, db, 5, 7, o1, ld_out);
     args.workspace_bytes = prefill_deltanet_workspace_bytes(5, m.nk, m.nv, m.d, m.d);
     Dev ws(args.workspace_bytes);
     args.workspace = ws.p;

@@ -1249,6 +1249,35 @@ __global__ void moe_route_kernel(const float* logits, size_t ld, int T, int E, i
   }
 }
 
+// Thread e of a block of >= E threads holds expert e's count c (0 past E):
+// inclusive sums of the counts (s_c) and of the BM-row tiles (s_t) over the
+// block, then expert e's tiles written; returns e's first row.
+__device__ __forceinline__ int moe_scan_tiles(int* s_c, int* s_t, int e, int c, int E, int bm, int* tile_expert,
+                                              int* tile_row0, int* tile_rows, int* num_tiles) {
+  const int nt = (c + bm - 1) / bm;
+  s_c[e] = c;
+  s_t[e] = nt;
+  __syncthreads();
+  for (int d = 1; d < blockDim.x; d <<= 1) {
+    const int a = e >= d ? s_c[e - d] : 0, b = e >= d ? s_t[e - d] : 0;
+    __syncthreads();
+    s_c[e] += a;
+    s_t[e] += b;
+    __syncthreads();
+  }
+  const int off = s_c[e] - c;
+  if (e < E) {
+    const int toff = s_t[e] - nt;
+    for (int i = 0; i < nt; ++i) {
+      tile_expert[toff + i] = e;
+      tile_row0[toff + i] = off + i * bm;
+      tile_rows[toff + i] = min(bm, c - i * bm);
+    }
+  }
+  if (e == blockDim.x - 1) *num_tiles = s_t[e];
+  return off;
+}
+
 // A short run's whole plan in one block (blockDim >= 32 T and >= E, at most
 // 1024): the routing (one warp per token), the counts, the offsets and the
 // BM-row tiles as moe_scan_kernel makes them, and the permutation, with the
@@ -1275,27 +1304,7 @@ __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, in
     }
   }
   __syncthreads();
-  const int c = tid < E ? s_c[tid] : 0;
-  const int nt = (c + bm - 1) / bm;
-  s_t[tid] = nt;
-  __syncthreads();
-  for (int d = 1; d < blockDim.x; d <<= 1) {
-    const int a = tid >= d ? s_c[tid - d] : 0, b = tid >= d ? s_t[tid - d] : 0;
-    __syncthreads();
-    s_c[tid] += a;
-    s_t[tid] += b;
-    __syncthreads();
-  }
-  const int off = s_c[tid] - c;  // the expert's first row (exclusive sum)
-  if (tid < E) {
-    const int toff = s_t[tid] - nt;
-    for (int i = 0; i < nt; ++i) {
-      tile_expert[toff + i] = tid;
-      tile_row0[toff + i] = off + i * bm;
-      tile_rows[toff + i] = min(bm, c - i * bm);
-    }
-  }
-  if (tid == blockDim.x - 1) *num_tiles = s_t[tid];
+  moe_scan_tiles(s_c, s_t, tid, tid < E ? s_c[tid] : 0, E, bm, tile_expert, tile_row0, tile_rows, num_tiles);
   __syncthreads();
   // s_c[e] - (count of e) is e's offset: count e among all pairs, then place
   // pair i after the earlier pairs of its expert.
@@ -1319,29 +1328,12 @@ __global__ void moe_scan_kernel(const int* counts, int E, int bm, int* offsets, 
                                 int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles) {
   __shared__ int s_c[1024], s_t[1024];
   const int e = threadIdx.x;
-  const int c = e < E ? counts[e] : 0;
-  const int nt = (c + bm - 1) / bm;
-  s_c[e] = c;
-  s_t[e] = nt;
-  __syncthreads();
-  for (int d = 1; d < blockDim.x; d <<= 1) {
-    const int a = e >= d ? s_c[e - d] : 0, b = e >= d ? s_t[e - d] : 0;
-    __syncthreads();
-    s_c[e] += a;
-    s_t[e] += b;
-    __syncthreads();
-  }
+  const int off =
+      moe_scan_tiles(s_c, s_t, e, e < E ? counts[e] : 0, E, bm, tile_expert, tile_row0, tile_rows, num_tiles);
   if (e < E) {
-    const int off = s_c[e] - c, toff = s_t[e] - nt;
     offsets[e] = off;
     cursor[e] = off;
-    for (int i = 0; i < nt; ++i) {
-      tile_expert[toff + i] = e;
-      tile_row0[toff + i] = off + i * bm;
-      tile_rows[toff + i] = min(bm, c - i * bm);
-    }
   }
-  if (e == blockDim.x - 1) *num_tiles = s_t[e];
 }
 
 __global__ void moe_scatter_kernel(const int* ids, int n, int k, int* cursor, int* perm_row,
