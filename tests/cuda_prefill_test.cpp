@@ -378,6 +378,40 @@ TEST(CudaPrefillGemm, ExpandedWeightsMatchCpu) {
   run_gemm_case(PrefillWeightFormat::BF16, 77, 200, 128, PrefillOut::F32, false, 74, true);  // bf16: no expansion
 }
 
+// prefill_gemm_fused of the parts w (adjacent output columns, F32Add into a
+// random output with 5 padding columns) on random x [T][K]: the padding
+// stays untouched; e gets the relative error against the double reference.
+void run_fused_parts(Rng& r, const std::vector<HostWeight>& w, int T, int K, const PrefillScratch& sc, double& e) {
+  int N = 0;
+  std::vector<float> deq;
+  for (const HostWeight& h : w) {
+    deq.insert(deq.end(), h.deq.begin(), h.deq.end());
+    N += h.rows;
+  }
+  std::vector<uint16_t> xb;
+  std::vector<float> xf;
+  random_bf16(r, size_t(T) * K, 1.f, xb, xf);
+  const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
+  std::vector<DevWeight> d;
+  std::vector<PrefillWeight> parts;
+  for (const HostWeight& h : w) d.push_back(upload_weight(h));
+  for (const DevWeight& dw : d) parts.push_back(dw.view);
+  Dev x = upload(xb);
+  const size_t ldy = N + 5;
+  std::vector<float> init(size_t(T) * ldy);
+  for (auto& v : init) v = r.uniform(-1, 1);
+  Dev y = upload(init);
+  prefill_gemm_fused(parts.data(), int(parts.size()), x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr,
+                     sc);
+  const auto h = download<float>(y, init.size());
+  std::vector<float> got(size_t(T) * N);
+  for (int t = 0; t < T; ++t) {
+    for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
+    for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
+  }
+  e = rel_err(got, ref);
+}
+
 // Several projections of one input into adjacent output columns: expanded
 // into one bf16 matrix and run as one GEMM (all quantized, scratch big
 // enough), or one GEMM per part (a bf16 part, no scratch).
@@ -390,30 +424,10 @@ TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
     const PrefillWeightFormat f2 = variant == 2 ? PrefillWeightFormat::BF16 : PrefillWeightFormat::Q8;
     HostWeight w[3] = {make_weight(r, PrefillWeightFormat::Q4, 200, K), make_weight(r, f2, 40, K),
                        make_weight(r, PrefillWeightFormat::Q4, 8, K, true)};
-    const int N = 248;
-    std::vector<float> deq;
-    for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());
-    std::vector<uint16_t> xb;
-    std::vector<float> xf;
-    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
-    const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
-    DevWeight d0 = upload_weight(w[0]), d1 = upload_weight(w[1]), d2 = upload_weight(w[2]);
-    const PrefillWeight parts[3] = {d0.view, d1.view, d2.view};
-    Dev x = upload(xb);
-    const size_t ldy = N + 5;
-    std::vector<float> init(size_t(T) * ldy);
-    for (auto& v : init) v = r.uniform(-1, 1);
-    Dev y = upload(init);
-    Dev scr(size_t(N) * K * 2);
+    Dev scr(size_t(200 + 40 + 8) * K * 2);
     const PrefillScratch sc = variant == 1 ? PrefillScratch{} : PrefillScratch{scr.p, scr.bytes, 1};
-    prefill_gemm_fused(parts, 3, x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr, sc);
-    const auto h = download<float>(y, init.size());
-    std::vector<float> got(size_t(T) * N);
-    for (int t = 0; t < T; ++t) {
-      for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
-      for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
-    }
-    const double e = rel_err(got, ref);
+    double e = 0;
+    run_fused_parts(r, {w, w + 3}, T, K, sc, e);
     std::printf("  fused parts variant %d: rel err %.3g\n", variant, e);
     EXPECT_LT(e, kTolQuant);
   }
@@ -481,28 +495,8 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
     const PrefillWeightFormat f2 = variant ? PrefillWeightFormat::Q8 : PrefillWeightFormat::Q4;
     HostWeight w[4] = {make_weight(r, f1, 200, K), make_weight(r, f2, 40, K), make_weight(r, f1, 8, K, true),
                        make_weight(r, f1, 65, K)};
-    const int N = 313;
-    std::vector<float> deq;
-    for (const HostWeight& h : w) deq.insert(deq.end(), h.deq.begin(), h.deq.end());
-    std::vector<uint16_t> xb;
-    std::vector<float> xf;
-    random_bf16(r, size_t(T) * K, 1.f, xb, xf);
-    const std::vector<float> ref = ref_matmul(deq, N, K, xf, T);
-    DevWeight d[4] = {upload_weight(w[0]), upload_weight(w[1]), upload_weight(w[2]), upload_weight(w[3])};
-    const PrefillWeight parts[4] = {d[0].view, d[1].view, d[2].view, d[3].view};
-    Dev x = upload(xb);
-    const size_t ldy = N + 5;
-    std::vector<float> init(size_t(T) * ldy);
-    for (auto& v : init) v = r.uniform(-1, 1);
-    Dev y = upload(init);
-    prefill_gemm_fused(parts, 4, x.as<uint16_t>(), T, K, y.p, ldy, PrefillOut::F32Add, nullptr);
-    const auto h = download<float>(y, init.size());
-    std::vector<float> got(size_t(T) * N);
-    for (int t = 0; t < T; ++t) {
-      for (int n = 0; n < N; ++n) got[size_t(t) * N + n] = h[size_t(t) * ldy + n] - init[size_t(t) * ldy + n];
-      for (size_t n = N; n < ldy; ++n) ASSERT_EQ(h[size_t(t) * ldy + n], init[size_t(t) * ldy + n]);
-    }
-    const double e = rel_err(got, ref);
+    double e = 0;
+    run_fused_parts(r, {w, w + 4}, T, K, PrefillScratch{}, e);
     std::printf("  skinny fused parts variant %d: rel err %.3g\n", variant, e);
     EXPECT_LT(e, kTolQuant);
   }

@@ -1194,12 +1194,19 @@ struct CudaBackend::Impl {
   void set_ctrl(CudaCache& cache, int pos, int token) {
     LILY_CUDA(cudaStreamSynchronize(stream));  // nothing queued still reads the pinned staging
     pinned.ensure(sizeof(DecodeCtrl));
-    auto* h = pinned.as<DecodeCtrl>();
+    write_ctrl(cache, 0, pos, token);
+  }
+
+  // The same through the pinned staging at byte ctrl_off (room for it
+  // ensured, nothing queued reading it there); waits for the copy, since
+  // the staging is reused.
+  void write_ctrl(CudaCache& cache, size_t ctrl_off, int pos, int token) {
+    DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(pinned.as<char>() + ctrl_off);
     *h = DecodeCtrl{};
     h->pos = pos;
     h->token = token;
     LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), h, sizeof(DecodeCtrl), cudaMemcpyHostToDevice, stream));
-    LILY_CUDA(cudaStreamSynchronize(stream));  // the pinned block is reused
+    LILY_CUDA(cudaStreamSynchronize(stream));
   }
 
   // record: the DeltaNet layers' in_proj rows go to cache.draft.proj[l]
@@ -1435,7 +1442,7 @@ struct CudaBackend::Impl {
     LILY_CUDA(cudaMemcpyAsync(pTok.get(), host_tokens, size_t(T) * sizeof(int), cudaMemcpyHostToDevice, stream));
     if (record && opt.draft_graph && !marks.on && T <= chunk && T <= kLogitRows && mode == LogitsMode::All &&
         lm_gemm_ok && draft_pass_graph(cache, T, P0, out_logits)) {
-      set_ctrl_async(cache, ctrl_off, P0 + T, tokens.back());
+      write_ctrl(cache, ctrl_off, P0 + T, tokens.back());
       return;
     }
     for (int t0 = 0; t0 < T; t0 += chunk) {
@@ -1448,17 +1455,7 @@ struct CudaBackend::Impl {
       marks.mark("logits", stream);
       marks.report(n, stream);
     }
-    set_ctrl_async(cache, ctrl_off, P0 + T, tokens.back());
-  }
-
-  // The control block from the pinned staging at ctrl_off; waits for it.
-  void set_ctrl_async(CudaCache& cache, size_t ctrl_off, int pos, int token) {
-    DecodeCtrl* h = reinterpret_cast<DecodeCtrl*>(reinterpret_cast<char*>(pinned.as<char>()) + ctrl_off);
-    *h = DecodeCtrl{};
-    h->pos = pos;
-    h->token = token;
-    LILY_CUDA(cudaMemcpyAsync(cache.dctrl(), h, sizeof(DecodeCtrl), cudaMemcpyHostToDevice, stream));
-    LILY_CUDA(cudaStreamSynchronize(stream));
+    write_ctrl(cache, ctrl_off, P0 + T, tokens.back());
   }
 
   // One draft run of T (<= kLogitRows) tokens already on the device (pTok)
@@ -1515,8 +1512,7 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   m.upload_weights(*weights);
   m.alloc_workspace();
-  if (m.opt.skinny_rows < 0 || m.opt.skinny_rows > 16) fail("cuda backend: skinny_rows must be in [0, 16]");
-  prefill_set_skinny_rows(m.opt.skinny_rows);
+  prefill_set_skinny_rows(m.opt.skinny_rows);  // refuses values outside [0, 16]
   m.setup_prefill();
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);

@@ -111,11 +111,10 @@ class CudaBackend : public Backend {
   void copy_cache(const SequenceCache& src, SequenceCache& dst) override;
   void truncate(SequenceCache& cache, int n) override;
   // With CudaOptions::draft_runs, draft runs of 2..kMaxDraftRun tokens take
-  // the prefill kernels and keep,
-  // per DeltaNet layer, the state and conv ring before the run and the run's
-  // in_proj rows; accept_draft restores those and replays the kept tokens'
-  // DeltaNet updates (the KV rows are cut back). Without the prefill
-  // kernels: the Backend default.
+  // the prefill kernels and keep, per DeltaNet layer, the state and conv
+  // ring before the run and the run's in_proj rows; accept_draft replays the
+  // kept tokens' DeltaNet updates from those (the KV rows are cut back).
+  // Without the prefill kernels: the Backend default.
   void forward_draft(SequenceCache& cache, std::span<const int> tokens, float* logits) override;
   void accept_draft(SequenceCache& cache, int n) override;
   int max_draft_run() const override;

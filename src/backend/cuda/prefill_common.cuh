@@ -34,10 +34,6 @@ void timed_stages(float (&ms)[N], Run&& run) {
 // Multiprocessors of the current device (read once).
 int sm_count();
 
-// Runs of at most this many tokens take the skinny GEMMs and the recurrent
-// DeltaNet (prefill_set_skinny_rows).
-int skinny_rows();
-
 // The DeltaNet over a run of few tokens, token by token (prefill_deltanet_run.cu):
 // reads the ring, leaves it for dn_ring_kernel to update.
 void launch_deltanet_run(const PrefillDeltaNetArgs& a, cudaStream_t stream);

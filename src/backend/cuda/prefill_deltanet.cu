@@ -729,7 +729,7 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
   const long long prep_threads =
       std::max<long long>(32LL * ((a.T + kPrepRows - 1) / kPrepRows) * (2 * a.nk + a.nv), 1LL * a.T * a.nv);
   mark(0);
-  if (a.T <= skinny_rows()) {
+  if (a.T <= prefill_skinny_rows()) {
     // A short run: the recurrent form (prefill_deltanet_run.cu), then the ring.
     launch_deltanet_run(a, stream);
     dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring,
@@ -772,8 +772,8 @@ void run_deltanet(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent_t
     fail("prefill_deltanet: value heads (", a.nv, ") must be a multiple of key heads (", a.nk, ")");
   if (a.T <= 0) return;
   if (a.first_position < 0) fail("prefill_deltanet: negative first position");
-  if ((a.state_backup || a.ring_backup || a.state_src || a.ring_src) && a.T > skinny_rows())
-    fail("prefill_deltanet: a backup or source of the state needs a run of at most ", skinny_rows(),
+  if ((a.state_backup || a.ring_backup || a.state_src || a.ring_src) && a.T > prefill_skinny_rows())
+    fail("prefill_deltanet: a backup or source of the state needs a run of at most ", prefill_skinny_rows(),
          " tokens (got ", a.T, ")");
   if (!a.qkv || !a.a || !a.b || !a.conv_w || !a.conv_ring || !a.a_log || !a.dt_bias || !a.state || !a.out)
     fail("prefill_deltanet: a required pointer is null");
@@ -798,7 +798,7 @@ void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t l
   if (T <= 0) return;
   if (!o || !z || !w || !out) fail("prefill_gated_rmsnorm: a pointer is null");
   // A short run: one warp per head (more blocks, the same arithmetic per head).
-  const int ys = T <= skinny_rows() ? std::max(1, std::min((heads + 7) / 8, 65535)) : 1;
+  const int ys = T <= prefill_skinny_rows() ? std::max(1, std::min((heads + 7) / 8, 65535)) : 1;
   gated_rmsnorm_kernel<<<dim3(T, ys), 256, 0, stream>>>(o, ld_o, z, ld_z, w, heads, dim, eps, out, ld_out);
   check_launch("gated_rmsnorm_kernel");
 }
@@ -808,7 +808,7 @@ void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, f
   if (T <= 0) return;
   if (!x || !w || !out) fail("prefill_rmsnorm: a pointer is null");
   // A short run: 1,024 threads a row (the loads of a row in flight at once).
-  rmsnorm_kernel<<<T, T <= skinny_rows() ? 1024 : 256, 0, stream>>>(x, ldx, w, n, eps, out, ldo);
+  rmsnorm_kernel<<<T, T <= prefill_skinny_rows() ? 1024 : 256, 0, stream>>>(x, ldx, w, n, eps, out, ldo);
   check_launch("rmsnorm_kernel");
 }
 

@@ -1050,17 +1050,18 @@ void plan_and_launch_skinny(SkinnyParams& p, PrefillWeightFormat fmt, cudaStream
     }
     return b;
   };
-  int blocks = blocks_for(16 * kSdWarps);
-  const bool split = blocks < 2 * sm_count() && (p.K / (fmt == PrefillWeightFormat::Q4 ? 128 : 64)) % kSdWarps == 0;
-  if (split) blocks = blocks_for(16);
   const bool q4 = fmt == PrefillWeightFormat::Q4;
+  int blocks = blocks_for(16 * kSdWarps);
+  const bool split = blocks < 2 * sm_count() && (p.K / (q4 ? 128 : 64)) % kSdWarps == 0;
+  if (split) blocks = blocks_for(16);
   if (split) q4 ? launch_skinny<SWIGLU, 4, kSdWarps>(p, blocks, s) : launch_skinny<SWIGLU, 8, kSdWarps>(p, blocks, s);
   else q4 ? launch_skinny<SWIGLU, 4, 1>(p, blocks, s) : launch_skinny<SWIGLU, 8, 1>(p, blocks, s);
 }
 
-// y (columns [0, sum of rows)) = x . [parts]^T: one launch.
+// y (columns [0, sum of rows)) = x . [parts]^T: one launch. With `up`
+// (one part, the gate): y (bf16) = silu(x . gate^T) * (x . up^T).
 void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
-                 PrefillOut out, cudaStream_t stream) {
+                 PrefillOut out, cudaStream_t stream, const PrefillWeight* up = nullptr) {
   SkinnyParams p{};
   int col = 0;
   for (int i = 0; i < n; ++i) {
@@ -1075,7 +1076,11 @@ void skinny_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, si
   p.y = y;
   p.ldy = ldy;
   p.out_kind = int(out);
-  plan_and_launch_skinny<false>(p, parts[0].fmt, stream);
+  if (!up) return plan_and_launch_skinny<false>(p, parts[0].fmt, stream);
+  const GemmParams u = base_params(*up);
+  p.w2 = u.w;
+  p.sb2 = u.sb;
+  plan_and_launch_skinny<true>(p, parts[0].fmt, stream);
 }
 
 // w (q4 / q8, any row strides) -> bf16 [rows][cols], 8 weights per thread,
@@ -1442,7 +1447,6 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 
 }  // namespace
 
-int prefill_detail::skinny_rows() { return g_skinny_max_rows; }
 int prefill_skinny_rows() { return g_skinny_max_rows; }
 
 void prefill_set_skinny_rows(int rows) {
@@ -1551,22 +1555,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
   if (!h) fail("prefill_gemm_swiglu: output pointer is null");
-  if (skinny_fits(gate, T)) {
-    SkinnyParams p{};
-    p.part[0] = skinny_part(gate, 0, 0);
-    p.nparts = 1;
-    const GemmParams u = base_params(up);
-    p.w2 = u.w;
-    p.sb2 = u.sb;
-    p.K = gate.cols;
-    p.M = T;
-    p.x = x;
-    p.ldx = ldx;
-    p.y = h;
-    p.ldy = ldh;
-    p.out_kind = int(PrefillOut::BF16);
-    return plan_and_launch_skinny<true>(p, gate.fmt, stream);
-  }
+  if (skinny_fits(gate, T)) return skinny_gemm(&gate, 1, x, T, ldx, h, ldh, PrefillOut::BF16, stream, &up);
   if (expand_pays(gate, T, scratch, 2)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
     const PrefillWeight g = expand_bf16(gate, d, stream);
@@ -1663,7 +1652,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
 
   mark(0);
   const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
-  if (a.T <= skinny_rows() && n <= 512 && plan_threads <= 1024) {
+  if (a.T <= prefill_skinny_rows() && n <= 512 && plan_threads <= 1024) {
     moe_plan_kernel<<<1, plan_threads, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0,
                                                    bm, ids, weights, tile_expert, tile_row0, tile_rows, num_tiles,
                                                    perm_row, slot_pos);

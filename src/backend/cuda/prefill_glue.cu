@@ -4,6 +4,7 @@
 // same f32 arithmetic as the decode attention kernel's prologue.
 
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill.h"
 #include "backend/cuda/prefill_glue.h"
 
 namespace lily::cuda {
@@ -136,8 +137,9 @@ void launch_attn_prep(const AttnPrepParams& p, cudaStream_t s) {
     fail("attn_prep: rotary_dim ", p.rotary_dim, " must be even and at most head_dim ", p.hd);
   if (p.P < 0 || p.P + p.T > p.capacity)
     fail("attn_prep: positions [", p.P, ", ", p.P + p.T, ") exceed the cache capacity ", p.capacity);
-  // Up to 16 rows: one warp a head (more blocks a row for the same work).
-  const int ys = p.T <= 16 ? (p.nh + p.nkv + kPrepWarps - 1) / kPrepWarps : 1;
+  // A short run (prefill_skinny_rows): one warp a head (more blocks a row
+  // for the same work).
+  const int ys = p.T <= prefill_skinny_rows() ? (p.nh + p.nkv + kPrepWarps - 1) / kPrepWarps : 1;
   launch_kernel("attn_prep", attn_prep_kernel, dim3(p.T, ys), dim3(kPrepWarps * 32), 0, s, false, p);
 }
 
