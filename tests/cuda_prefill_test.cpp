@@ -604,10 +604,11 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 // choice at >= 32 rows per expert, wgmma; 16: q4 experts only).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
                   PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
-                  bool sb_f16 = false) {
+                  bool sb_f16 = false, int shared_inter = 0) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " k " << k << " hidden " << hidden
                                     << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows
-                                    << " ldo pad " << ldo_pad << " f16 scales " << sb_f16);
+                                    << " ldo pad " << ldo_pad << " f16 scales " << sb_f16 << " shared weights "
+                                    << shared_inter);
   Rng r(seed);
   // Stacked experts: one HostWeight of E*rows rows is the stack.
   HostWeight g = make_weight(r, fmt, E * inter, hidden, sb_f16);
@@ -623,6 +624,30 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   for (auto& v : sh) v = r.normal();
   for (auto& v : sg) v = r.normal();
   for (auto& v : init) v = r.normal();
+  // shared_inter > 0: the shared expert's weights go to prefill_moe, which
+  // computes it (sh is then its output, intermediate rounded to bf16).
+  HostWeight sg_w, su_w, sd_w;
+  if (shared && shared_inter > 0) {
+    sg_w = make_weight(r, fmt, shared_inter, hidden, sb_f16);
+    su_w = make_weight(r, fmt, shared_inter, hidden, sb_f16);
+    sd_w = make_weight(r, fmt, hidden, shared_inter, sb_f16);
+    std::vector<float> hs(shared_inter);
+    for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < shared_inter; ++i) {
+        double a = 0, b = 0;
+        for (int c = 0; c < hidden; ++c) {
+          a += double(sg_w.deq[size_t(i) * hidden + c]) * xf[size_t(t) * hidden + c];
+          b += double(su_w.deq[size_t(i) * hidden + c]) * xf[size_t(t) * hidden + c];
+        }
+        hs[i] = bf16_to_f32(f32_to_bf16(cpu::silu(float(a)) * float(b)));
+      }
+      for (int j = 0; j < hidden; ++j) {
+        double y = 0;
+        for (int i = 0; i < shared_inter; ++i) y += double(sd_w.deq[size_t(j) * shared_inter + i]) * hs[i];
+        sh[size_t(t) * hidden + j] = float(y);
+      }
+    }
+  }
 
   // CPU reference: route, per (token, slot) SwiGLU with the intermediate
   // rounded to bf16 (the GPU keeps it in bf16 between the two launches).
@@ -691,6 +716,14 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     a.shared_gate_logit = dsg.as<float>();
     a.ld_shared_gate = 1;
   }
+  std::vector<DevWeight> dshw;
+  if (shared && shared_inter > 0) {
+    for (const HostWeight* w : {&sg_w, &su_w, &sd_w}) dshw.push_back(upload_weight(*w));
+    a.sh_gate = dshw[0].view;
+    a.sh_up = dshw[1].view;
+    a.sh_down = dshw[2].view;
+    ck(cudaMemset(dsh.p, 0xff, dsh.bytes), "memset");  // NaN until prefill_moe writes it
+  }
   a.out = out.as<float>();
   a.ldo = ldo;
   a.accumulate = accumulate;
@@ -755,6 +788,24 @@ TEST(CudaPrefillMoe, MatchesCpuShortRuns) {
   run_moe_case(7, 16, 4, 192, 64, true, true, 68, PrefillWeightFormat::Q4, 64, 3);
   run_moe_case(9, 8, 2, 320, 128, true, false, 69, PrefillWeightFormat::Q8);
   run_moe_case(5, 4, 2, 128, 64, false, false, 70, PrefillWeightFormat::BF16);
+}
+
+// A short run's MoE with the shared expert's weights: q4 in the stacks'
+// layout runs it as one more tile of the grouped skinny launches (the
+// model's shape at T = 2, T = 9 with two n8 halves and f16 scales, T = 16);
+// a narrower shared expert, q8 experts, and the grouped form turned off
+// take separate launches inside prefill_moe.
+TEST(CudaPrefillMoe, MatchesCpuShortRunsSharedWeights) {
+  REQUIRE_GPU();
+  run_moe_case(2, 256, 8, 2048, 512, true, true, 71, PrefillWeightFormat::Q4, 0, 0, false, 512);
+  run_moe_case(9, 16, 4, 256, 128, true, false, 72, PrefillWeightFormat::Q4, 0, 0, true, 128);
+  run_moe_case(16, 32, 8, 512, 256, true, true, 73, PrefillWeightFormat::Q4, 0, 3, false, 256);
+  run_moe_case(3, 16, 4, 256, 128, true, true, 74, PrefillWeightFormat::Q4, 0, 0, false, 64);
+  run_moe_case(5, 16, 4, 256, 128, true, false, 75, PrefillWeightFormat::Q8, 0, 0, false, 128);
+  prefill_set_moe_grouped(false);
+  run_moe_case(2, 256, 8, 2048, 512, true, true, 76, PrefillWeightFormat::Q4, 0, 0, false, 512);
+  run_moe_case(7, 32, 4, 256, 256, true, false, 77);
+  prefill_set_moe_grouped(true);
 }
 
 TEST(CudaPrefillMoe, MatchesCpuModelShape) {

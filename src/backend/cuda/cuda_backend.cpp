@@ -92,6 +92,8 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SKINNY")) o.skinny_rows = std::atoi(v);
+  if (const char* v = std::getenv("LILY_CUDA_MOE_GROUPED")) o.moe_grouped = std::atoi(v) != 0;
+  if (const char* v = std::getenv("LILY_CUDA_SHORT_PDL")) o.short_pdl = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
@@ -1361,9 +1363,17 @@ struct CudaBackend::Impl {
       m.up = W.ex_up;
       m.down = W.ex_down;
       if (D.has_shared) {
-        prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s, p_scr);
-        prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s, p_scr);
-        marks.mark("shared expert", s);
+        // A short run hands the shared expert to prefill_moe (one more tile
+        // of its launches, where the layouts allow).
+        if (T <= prefill_skinny_rows() && W.sh_gate.rows <= m.inter) {
+          m.sh_gate = W.sh_gate;
+          m.sh_up = W.sh_up;
+          m.sh_down = W.sh_down;
+        } else {
+          prefill_gemm_swiglu(W.sh_gate, W.sh_up, Xn, T, H, A, lda, s, p_scr);
+          prefill_gemm(W.sh_down, A, T, lda, pSo.as<float>(), H, PrefillOut::F32, s, p_scr);
+          marks.mark("shared expert", s);
+        }
         m.shared_out = pSo.as<float>();
         m.ld_shared = H;
         m.shared_gate_logit = pRl.as<float>() + E;
@@ -1512,7 +1522,9 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   m.upload_weights(*weights);
   m.alloc_workspace();
-  prefill_set_skinny_rows(m.opt.skinny_rows);  // refuses values outside [0, 16]
+  prefill_set_skinny_rows(m.opt.skinny_rows);
+  prefill_set_moe_grouped(m.opt.moe_grouped);
+  prefill_set_pdl(m.opt.short_pdl);  // refuses values outside [0, 16]
   m.setup_prefill();
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);

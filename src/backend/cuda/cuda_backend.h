@@ -63,6 +63,11 @@ struct CudaOptions {
   // GEMMs, the recurrent DeltaNet and the one-block MoE plan (prefill.h,
   // prefill_set_skinny_rows; process-wide).
   int skinny_rows = 16;
+  // Such runs' routed MoE as the skinny kernel in grouped form with the
+  // shared expert as one more tile (prefill_set_moe_grouped; process-wide).
+  bool moe_grouped = true;
+  // Such runs' launches with programmatic dependent launch (prefill_set_pdl).
+  bool short_pdl = true;
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
@@ -71,7 +76,8 @@ struct CudaOptions {
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
-// LILY_CUDA_DRAFT_GRAPH=0|1.
+// LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
+// LILY_CUDA_SHORT_PDL=0|1.
 CudaOptions options_from_env();
 
 struct KernelTiming {

@@ -1,6 +1,7 @@
 // Embedding lookup (first kernel of a decode step) and the random fills used
 // for synthetic benchmark models and caches.
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill.h"
 #include "backend/cuda/prefill_glue.h"
 
 namespace lily::cuda {
@@ -66,6 +67,8 @@ __global__ void __launch_bounds__(256) embed_kernel(const __grid_constant__ Embe
 template <QFmt F>
 __global__ void __launch_bounds__(256) embed_rows_kernel(const DevMatView m, const int* tokens, float* x,
                                                          size_t ldx) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int tok = min(max(tokens[blockIdx.x], 0), m.rows - 1);
   embed_row<F>(m, static_cast<size_t>(tok), x + blockIdx.x * ldx);
 }
@@ -463,10 +466,10 @@ void launch_embed_rows(const DevMatView& m, const int* tokens, int T, float* x, 
   if (T <= 0) return;
   if (ldx < size_t(m.cols)) fail("embed_rows: row stride ", ldx, " is below the width ", m.cols);
   switch (m.fmt) {
-    case QFmt::Q4: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q4>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
-    case QFmt::Q8: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q8>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
-    case QFmt::BF16: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::BF16>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
-    case QFmt::F32: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::F32>, dim3(T), dim3(256), 0, s, false, m, tokens, x, ldx);
+    case QFmt::Q4: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q4>, dim3(T), dim3(256), 0, s, prefill_pdl(T), m, tokens, x, ldx);
+    case QFmt::Q8: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::Q8>, dim3(T), dim3(256), 0, s, prefill_pdl(T), m, tokens, x, ldx);
+    case QFmt::BF16: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::BF16>, dim3(T), dim3(256), 0, s, prefill_pdl(T), m, tokens, x, ldx);
+    case QFmt::F32: return launch_kernel("embed_rows", embed_rows_kernel<QFmt::F32>, dim3(T), dim3(256), 0, s, prefill_pdl(T), m, tokens, x, ldx);
   }
 }
 

@@ -92,6 +92,16 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
 // block (moe_plan_kernel). Process-wide; for benchmarks and tests.
 void prefill_set_skinny_rows(int rows);
 int prefill_skinny_rows();
+// Such runs' routed MoE (q4 experts) runs as the skinny kernel in grouped
+// form, one tile per expert, with the shared expert as one more tile where
+// PrefillMoeArgs carries its weights (default on; off: the 16-row MoE tiles).
+void prefill_set_moe_grouped(bool on);
+// Launches over such runs go with the programmatic-dependent-launch
+// attribute (each kernel waits for its predecessor before touching its
+// data; weights are requested before): prefill_pdl(T) says whether a
+// launch over T rows does. Default on.
+void prefill_set_pdl(bool on);
+bool prefill_pdl(int T);
 
 // ---- routed MoE ----------------------------------------------------------------
 // Routing: softmax over E expert logits (f32), top-k (ties to the lower index),
@@ -108,11 +118,16 @@ struct PrefillMoeArgs {
   bool norm_topk = true;
   // Stacked experts: gate/up [E][inter][hidden], down [E][hidden][inter].
   PrefillWeight gate, up, down;
-  // Optional shared expert, already computed: out += sigmoid(gate_logit[t]) * shared_out[t].
+  // Optional shared expert: out += sigmoid(gate_logit[t]) * shared_out[t].
+  // Computed by the caller, or here from sh_gate / sh_up / sh_down (one
+  // expert, intermediate size <= inter) into shared_out, then scratch: a
+  // short run with the stacks' layout runs it as one more tile of the
+  // routed launches.
   const float* shared_out = nullptr;  // f32 [T][ld_shared]
   size_t ld_shared = 0;
   const float* shared_gate_logit = nullptr;  // f32, element t at [t * ld_shared_gate]
   size_t ld_shared_gate = 1;
+  PrefillWeight sh_gate, sh_up, sh_down;  // sh_gate.w null: none here
   float* out = nullptr;  // f32 [T][ldo]
   size_t ldo = 0;
   bool accumulate = false;  // out += moe(x) (else out = moe(x))

@@ -245,6 +245,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_kernel(const AttnParams 
   }
 }
 
+// The most key-range splits of a split-form launch (over all row blocks).
+constexpr int kMaxSplits = 64;
+
 // ---- Few queries over a long context: split over the keys ---------------------
 // For T x G <= 512 query rows (G query heads per KV head), one block takes
 // 128 of them for one KV head, rows R = t G + (head within the group), and
@@ -299,6 +302,8 @@ __device__ __forceinline__ void attn_load_kv_q8(uint16_t* kd, uint16_t* vd, cons
 
 template <int HD, bool Q8>
 __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnSplitParams sp) {
+  p_pdl_wait();
+  p_pdl_trigger();
   constexpr int kHD = HD;
   constexpr int kRowChunks = AttnShape<HD>::kRowChunks;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -380,13 +385,22 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
 
 // One block per (query, head), one thread per dim: the splits merged.
 __global__ void attn_split_combine_kernel(const AttnSplitParams sp, int hd) {
+  p_pdl_wait();
+  p_pdl_trigger();
   const int row = blockIdx.x, d = threadIdx.x;  // row = t nh + h
   const int t = row / sp.a.nh, h = row % sp.a.nh, S = sp.splits;
-  const float* ml = sp.part_ml + size_t(row) * S * 2;
+  // The splits' (max, sum) pairs through shared memory (one load each, not
+  // two chains of S dependent loads per thread), then the o column in
+  // batches of loads in flight; the sums in split order as before.
+  __shared__ float ml[2 * kMaxSplits];
+  const float* gml = sp.part_ml + size_t(row) * S * 2;
+  for (int i = d; i < 2 * S; i += blockDim.x) ml[i] = gml[i];
+  __syncthreads();
   float M = -INFINITY;
   for (int s = 0; s < S; ++s) M = fmaxf(M, ml[2 * s]);
   float L = 0.f, O = 0.f;
   const float* po = sp.part_o + size_t(row) * S * hd + d;
+#pragma unroll 8
   for (int s = 0; s < S; ++s) {
     const float w = ml[2 * s] == -INFINITY ? 0.f : exp2f(ml[2 * s] - M);
     L += w * ml[2 * s + 1];
@@ -421,10 +435,11 @@ void launch_attn_split_t(const AttnSplitParams& sp, cudaStream_t stream) {
   }();
   (void)attr_ok;
   const int row_blocks = (sp.a.T * sp.group + kBMq - 1) / kBMq;
-  attn_split_kernel<HD, Q8><<<dim3(sp.splits, sp.a.nkv, row_blocks), kAttnThreads, smem, stream>>>(sp);
-  check_launch("attn_split_kernel");
-  attn_split_combine_kernel<<<sp.a.T * sp.a.nh, HD, 0, stream>>>(sp, HD);
-  check_launch("attn_split_combine_kernel");
+  const bool pdl = prefill_pdl(sp.a.T);
+  launch_p("attn_split_kernel", pdl, attn_split_kernel<HD, Q8>, dim3(sp.splits, sp.a.nkv, row_blocks),
+           dim3(kAttnThreads), smem, stream, sp);
+  launch_p("attn_split_combine_kernel", pdl, attn_split_combine_kernel, dim3(sp.a.T * sp.a.nh), dim3(HD), 0, stream,
+           sp, HD);
 }
 template <int HD>
 void launch_attn_split(const AttnSplitParams& sp, cudaStream_t stream) {
@@ -434,7 +449,6 @@ void launch_attn_split(const AttnSplitParams& sp, cudaStream_t stream) {
 
 // Up to kMaxRowBlocks blocks of 128 query rows per KV head, each over up to
 // kMaxSplits / row blocks key-tile ranges, about one block per SM.
-constexpr int kMaxSplits = 64;
 constexpr int kMaxRowBlocks = 4;
 
 struct SplitPlan {

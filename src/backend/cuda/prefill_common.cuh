@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/prefill.h"
 #include "core/error.h"
@@ -33,6 +34,28 @@ void timed_stages(float (&ms)[N], Run&& run) {
 
 // Multiprocessors of the current device (read once).
 int sm_count();
+
+// Programmatic dependent launch (prefill_pdl): a kernel that may be launched
+// with the attribute calls p_pdl_wait before it touches anything an earlier
+// launch writes (and only constants before), then p_pdl_trigger so that the
+// next launch can start beside it. Both are no-ops without the attribute.
+__device__ __forceinline__ void p_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void p_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+template <typename... KArgs, typename... Args>
+void launch_p(const char* name, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+              cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
+}
 
 // The DeltaNet over a run of few tokens, token by token (prefill_deltanet_run.cu):
 // reads the ring, leaves it for dn_ring_kernel to update.

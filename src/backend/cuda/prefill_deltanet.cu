@@ -208,6 +208,8 @@ __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p)
 // the run taken from there).
 __global__ void dn_ring_kernel(const float* qkv, size_t ld, int T, int P, int C, float* ring,
                                float* backup = nullptr, const float* src = nullptr) {
+  p_pdl_wait();
+  p_pdl_trigger();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= C) return;
   if (backup)
@@ -639,6 +641,8 @@ DnLayout dn_layout(int T, int nk, int nv, int dk, int dv) {
 __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z, size_t ld_z,
                                      const float* w, int heads, int dim, float eps, uint16_t* out,
                                      size_t ld_out) {
+  p_pdl_wait();
+  p_pdl_trigger();
   const int t = blockIdx.x, lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
   for (int hh = blockIdx.y * wpb + (threadIdx.x >> 5); hh < heads; hh += gridDim.y * wpb) {
     const float* src = o + size_t(t) * ld_o + size_t(hh) * dim;
@@ -660,6 +664,8 @@ __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z
 constexpr int kNormCache = 4;
 __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n, float eps,
                                uint16_t* out, size_t ldo) {
+  p_pdl_wait();
+  p_pdl_trigger();
   __shared__ float red[32];
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* src = x + size_t(t) * ldx;
@@ -732,9 +738,8 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
   if (a.T <= prefill_skinny_rows()) {
     // A short run: the recurrent form (prefill_deltanet_run.cu), then the ring.
     launch_deltanet_run(a, stream);
-    dn_ring_kernel<<<(C + 255) / 256, 256, 0, stream>>>(a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring,
-                                                        a.ring_backup, a.ring_src);
-    check_launch("dn_ring_kernel");
+    launch_p("dn_ring_kernel", prefill_pdl(a.T), dn_ring_kernel, dim3((C + 255) / 256), dim3(256), 0, stream, a.qkv,
+             a.ld_qkv, a.T, a.first_position, C, a.conv_ring, a.ring_backup, a.ring_src);
     for (int i = 1; i <= 4; ++i) mark(i);
     return;
   }
@@ -799,8 +804,8 @@ void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t l
   if (!o || !z || !w || !out) fail("prefill_gated_rmsnorm: a pointer is null");
   // A short run: one warp per head (more blocks, the same arithmetic per head).
   const int ys = T <= prefill_skinny_rows() ? std::max(1, std::min((heads + 7) / 8, 65535)) : 1;
-  gated_rmsnorm_kernel<<<dim3(T, ys), 256, 0, stream>>>(o, ld_o, z, ld_z, w, heads, dim, eps, out, ld_out);
-  check_launch("gated_rmsnorm_kernel");
+  launch_p("gated_rmsnorm_kernel", prefill_pdl(T), gated_rmsnorm_kernel, dim3(T, ys), dim3(256), 0, stream, o, ld_o,
+           z, ld_z, w, heads, dim, eps, out, ld_out);
 }
 
 void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, float eps,
@@ -808,8 +813,8 @@ void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, f
   if (T <= 0) return;
   if (!x || !w || !out) fail("prefill_rmsnorm: a pointer is null");
   // A short run: 1,024 threads a row (the loads of a row in flight at once).
-  rmsnorm_kernel<<<T, T <= prefill_skinny_rows() ? 1024 : 256, 0, stream>>>(x, ldx, w, n, eps, out, ldo);
-  check_launch("rmsnorm_kernel");
+  launch_p("rmsnorm_kernel", prefill_pdl(T), rmsnorm_kernel, dim3(T), dim3(T <= prefill_skinny_rows() ? 1024 : 256),
+           0, stream, x, ldx, w, n, eps, out, ldo);
 }
 
 }  // namespace lily::cuda

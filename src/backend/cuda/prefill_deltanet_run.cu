@@ -28,6 +28,8 @@ constexpr int kRunK = 4;  // conv taps (prefill_deltanet: 4 only)
 constexpr int kRunMaxT = 16;  // tokens whose inputs are staged at once
 
 __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constant__ PrefillDeltaNetArgs a) {
+  prefill_detail::p_pdl_wait();
+  prefill_detail::p_pdl_trigger();
   const int h = blockIdx.x, cb = blockIdx.y;
   const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
   const int dk = a.dk, dv = a.dv, nr = dk / kDnRowGroups, nch = 2 * dk + kDnCols;
@@ -123,8 +125,8 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
 void prefill_detail::launch_deltanet_run(const PrefillDeltaNetArgs& a, cudaStream_t stream) {
   if (a.dk > kDnMaxDk || a.dk % kDnRowGroups != 0 || a.dv % kDnCols != 0)
     fail("prefill_deltanet (run form): head dims ", a.dk, " x ", a.dv, " are not supported");
-  dn_run_kernel<<<dim3(a.nv, a.dv / kDnCols), kDnThreads, 0, stream>>>(a);
-  check_launch("dn_run_kernel");
+  launch_p("dn_run_kernel", prefill_pdl(a.T), dn_run_kernel, dim3(a.nv, a.dv / kDnCols), dim3(kDnThreads), 0,
+           stream, a);
 }
 
 }  // namespace lily::cuda

@@ -20,6 +20,7 @@
 // with <= 16 rows on average take the skinny kernel instead (weights as the
 // MMA's A operand, expanded in registers; see moe_skinny_kernel).
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/prefill_common.cuh"
@@ -855,13 +856,26 @@ struct SkinnyParams {
   void* y;
   size_t ldy;
   int out_kind;  // PrefillOut (SwiGLU: bf16)
+  // Grouped (a short run's MoE, GROUPED): blockIdx.y is tile y of the plan
+  // (expert, first row, rows; tiles past *num_tiles exit). Part 0 (and w2 /
+  // sb2) hold expert 0's matrix, expert e's lies e expert strides further;
+  // the tile's x rows are x_rows[row0 + r] (null: row0 + r) and its outputs
+  // go to rows row0 + r of y. Expert E is the shared expert (sh_*, the
+  // same strides), whose non-SwiGLU outputs go as f32 to row r of y_shared.
+  const int *tile_expert, *tile_row0, *tile_rows, *num_tiles, *x_rows;
+  size_t expert_w_bytes, expert_sb_words;
+  int E;
+  const uint8_t *sh_w, *sh_w2;
+  const uint32_t *sh_sb, *sh_sb2;
+  float* y_shared;
+  size_t ld_shared;
 };
 
 GemmParams base_params(const PrefillWeight& w);
 
 size_t skinny_smem_bytes(int T, int K) { return size_t(T) * (size_t(K) * 2 + 8); }
 
-template <int NT, int RING, bool SWIGLU, int BITS, int KS>
+template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED, bool PS>
 __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid_constant__ SkinnyParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
@@ -883,6 +897,32 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   // The warp's units of K: [kbeg, kend).
   const int kbeg = (warp % KS) * (KU / KS), kend = kbeg + KU / KS;
   const int sb_lane = BITS == 4 ? t >> 1 : 0;  // the lane's scale group within a unit
+  // The rows of x this block multiplies: M rows from row m0 (grouped: the tile's).
+  int m0 = 0, M = p.M;
+  const uint8_t* w2 = p.w2;
+  const uint32_t* sb2 = p.sb2;
+  bool shared_tile = false;
+  if constexpr (GROUPED) {
+    p_pdl_wait();  // the plan's tiles
+    p_pdl_trigger();
+    const int tile = blockIdx.y;
+    if (tile >= *p.num_tiles) return;
+    const int e = p.tile_expert[tile];
+    m0 = p.tile_row0[tile];
+    M = p.tile_rows[tile];
+    if (e >= p.E) {
+      shared_tile = true;
+      P.w = p.sh_w;
+      P.sb = p.sh_sb;
+      w2 = p.sh_w2;
+      sb2 = p.sh_sb2;
+    } else {
+      P.w += size_t(e) * p.expert_w_bytes;
+      P.sb += size_t(e) * p.expert_sb_words;
+      w2 += size_t(e) * p.expert_w_bytes;
+      sb2 += size_t(e) * p.expert_sb_words;
+    }
+  }
 
   const uint8_t* wrow[R];
   const uint32_t* srow[R];
@@ -890,8 +930,8 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int n = n0 + g + 8 * (i & 1);
-    const uint8_t* base = SWIGLU && i >= 2 ? p.w2 : P.w;
-    const uint32_t* sbase = SWIGLU && i >= 2 ? p.sb2 : P.sb;
+    const uint8_t* base = SWIGLU && i >= 2 ? w2 : P.w;
+    const uint32_t* sbase = SWIGLU && i >= 2 ? sb2 : P.sb;
     rok[i] = n < P.rows;
     wrow[i] = base + size_t(rok[i] ? n : 0) * P.w_row_stride + 16 * t;
     srow[i] = sbase + size_t(rok[i] ? n : 0) * P.sb_row_stride + sb_lane;
@@ -907,13 +947,18 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   };
 #pragma unroll
   for (int d = 0; d < RING - 1; ++d) load_group(kbeg + d, cw[d], cs[d]);
+  if constexpr (!GROUPED) {  // the first weights requested (constants), now x
+    p_pdl_wait();
+    p_pdl_trigger();
+  }
 
-  // The run's M rows, 8-byte copies (the MMAs take zeros for rows past M).
+  // The block's M rows, 8-byte copies (the MMAs take zeros for rows past M).
   const int cpr = K / 4;
-  for (int i = tid; i < p.M * cpr; i += kSdWarps * 32) {
+  for (int i = tid; i < M * cpr; i += kSdWarps * 32) {
     const int r = i / cpr, c = i % cpr;
+    const int xr = GROUPED ? (p.x_rows ? p.x_rows[m0 + r] : m0 + r) : r;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(xs + r * ldxs + c * 4)),
-                 "l"(p.x + size_t(r) * p.ldx + c * 4));
+                 "l"(p.x + size_t(xr) * p.ldx + c * 4));
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -926,6 +971,41 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     for (int d = 0; d < RING; ++d) {
       const int kg = kg0 + d;
       load_group(kg + RING - 1, cw[(d + RING - 1) % RING], cs[(d + RING - 1) % RING]);
+      if constexpr (PS) {  // q4: each step's fragments made just before its MMAs
+        __nv_bfloat162 S[R], Bb[R];
+        float2 sc[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          if (f16) sc[i] = scale_bias(cs[d][i], 1);
+          else scale_bias_bf162(cs[d][i], S[i], Bb[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < kSteps; ++j) {
+          uint32_t a[MT][4];
+#pragma unroll
+          for (int i = 0; i < R; ++i) {
+            const uint4 c = cw[d][i];
+            const uint32_t w = (j >> 1) == 0 ? c.x : (j >> 1) == 1 ? c.y : (j >> 1) == 2 ? c.z : c.w;
+            if (j & 1) {
+              a[i >> 1][i & 1] = f16 ? skinny_pair_f32<2>(w, sc[i]) : q4_pair_bf16<2>(w, S[i], Bb[i]);
+              a[i >> 1][2 + (i & 1)] = f16 ? skinny_pair_f32<3>(w, sc[i]) : q4_pair_bf16<3>(w, S[i], Bb[i]);
+            } else {
+              a[i >> 1][i & 1] = f16 ? skinny_pair_f32<0>(w, sc[i]) : q4_pair_bf16<0>(w, S[i], Bb[i]);
+              a[i >> 1][2 + (i & 1)] = f16 ? skinny_pair_f32<1>(w, sc[i]) : q4_pair_bf16<1>(w, S[i], Bb[i]);
+            }
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 b =
+                8 * nt + g < M
+                    ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * kPerUnit + (kPerUnit / 4) * t + 4 * j)
+                    : make_uint2(0, 0);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[mt][nt], a[mt], b.x, b.y);
+          }
+        }
+        continue;
+      }
       uint32_t a[MT][kSteps][4];
 #pragma unroll
       for (int i = 0; i < R; ++i) {
@@ -938,7 +1018,7 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
         for (int nt = 0; nt < NT; ++nt) {
           // Step j takes k = unit + (kPerUnit / 4) t + 4 j .. + 3 from every lane t.
           const uint2 b =
-              8 * nt + g < p.M
+              8 * nt + g < M
                   ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * kPerUnit + (kPerUnit / 4) * t + 4 * j)
                   : make_uint2(0, 0);
 #pragma unroll
@@ -978,13 +1058,14 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     for (int e = 0; e < 4; ++e) {
       const int tok = 8 * nt + 2 * t + (e & 1);
       const int n = n0 + g + 8 * (e >> 1);
-      if (tok >= p.M || n >= P.rows) continue;
-      const size_t at = size_t(tok) * p.ldy + P.col0 + n;
+      if (tok >= M || n >= P.rows) continue;
+      const size_t at = size_t(m0 + tok) * p.ldy + P.col0 + n;
       if constexpr (SWIGLU) {
         static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
       } else {
         const float v = acc[0][nt][e];
-        if (p.out_kind == int(PrefillOut::BF16)) static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(v);
+        if (GROUPED && shared_tile) p.y_shared[size_t(tok) * p.ld_shared + n] = v;
+        else if (p.out_kind == int(PrefillOut::BF16)) static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(v);
         else if (p.out_kind == int(PrefillOut::F32Add)) static_cast<float*>(p.y)[at] += v;
         else static_cast<float*>(p.y)[at] = v;
       }
@@ -992,6 +1073,8 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 }
 
 int g_skinny_max_rows = kSdMaxRows;
+bool g_moe_grouped = true;
+bool g_prefill_pdl = true;
 
 // q4 (K a multiple of 128: whole units) or q8, T <= the skinny limit, the
 // run's rows fit in shared memory.
@@ -1006,22 +1089,33 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
   return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
 }
 
-template <int NT, int RING, bool SWIGLU, int BITS, int KS>
-void launch_skinny_t(const SkinnyParams& p, int blocks, cudaStream_t s) {
-  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS>;
+// SwiGLU q4 launches make each k-step's fragments just before its MMAs
+// (fewer registers live than all 8 steps' at once); LILY_CUDA_SKINNY_PS=0
+// for the all-at-once form (experiments).
+bool skinny_per_step() {
+  static const bool on = [] {
+    const char* v = std::getenv("LILY_CUDA_SKINNY_PS");
+    return !v || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
+template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED, bool PS = false>
+void launch_skinny_t(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
+  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS, GROUPED, PS>;
   static const bool attr_ok = [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
           "cudaFuncSetAttribute(prefill skinny GEMM)");
     return true;
   }();
   (void)attr_ok;
-  kernel<<<blocks, kSdWarps * 32, skinny_smem_bytes(p.M, p.K), s>>>(p);
-  check_launch("prefill skinny GEMM");
+  launch_p("prefill skinny GEMM", prefill_pdl(p.M), kernel, blocks, dim3(kSdWarps * 32), skinny_smem_bytes(p.M, p.K),
+           s, p);
 }
 
-template <bool SWIGLU, int BITS, int KS>
-void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
-  if (blocks > 2147483647 / 2) fail("prefill skinny GEMM: too many output rows");
+template <bool SWIGLU, int BITS, int KS, bool GROUPED = false>
+void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
+  if (blocks.x > 2147483647u / 2) fail("prefill skinny GEMM: too many output rows");
   // The ring: the most units (64 code bytes a row; up to 8, 4 for SwiGLU
   // (4 rows of 16 bytes a lane) and for q4 (two groups a unit)) that divide
   // a warp's share of K.
@@ -1029,13 +1123,35 @@ void launch_skinny(const SkinnyParams& p, int blocks, cudaStream_t s) {
   constexpr int kMaxRing = SWIGLU || BITS == 4 ? 4 : 8;
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS>(p, blocks, s);
-    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS, KS>(p, blocks, s);
-    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS>(p, blocks, s);
-    else launch_skinny_t<NT, 1, SWIGLU, BITS, KS>(p, blocks, s);
+    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
+    else if (KG % 4 == 0) {
+      // SwiGLU q4 (4 rows a lane): the per-step fragments (PS), unless
+      // LILY_CUDA_SKINNY_PS=0 (experiments).
+      if constexpr (SWIGLU && BITS == 4) {
+        if (skinny_per_step()) return launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED, true>(p, blocks, s);
+      }
+      launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
+    }
+    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
+    else launch_skinny_t<NT, 1, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
   };
   if (p.M <= 8) go(std::integral_constant<int, 1>{});
   else go(std::integral_constant<int, 2>{});
+}
+
+// Experiments: LILY_CUDA_SKINNY_KS (dense) / LILY_CUDA_GROUPED_KS (the
+// short MoE) = 1, 2 or 4 warps over K instead of the shapes' choice.
+int skinny_ks_override(bool grouped) {
+  static const int dense = [] {
+    const char* v = std::getenv("LILY_CUDA_SKINNY_KS");
+    return v ? std::atoi(v) : 0;
+  }();
+  static const int grp = [] {
+    const char* v = std::getenv("LILY_CUDA_GROUPED_KS");
+    return v ? std::atoi(v) : 0;
+  }();
+  const int f = grouped ? grp : dense;
+  return f == 1 || f == 2 || f == 4 ? f : 0;
 }
 
 // Lays the parts out over blocks (SkinnyPart::block0) for the split of K
@@ -1051,11 +1167,39 @@ void plan_and_launch_skinny(SkinnyParams& p, PrefillWeightFormat fmt, cudaStream
     return b;
   };
   const bool q4 = fmt == PrefillWeightFormat::Q4;
-  int blocks = blocks_for(16 * kSdWarps);
-  const bool split = blocks < 2 * sm_count() && (p.K / (q4 ? 128 : 64)) % kSdWarps == 0;
-  if (split) blocks = blocks_for(16);
-  if (split) q4 ? launch_skinny<SWIGLU, 4, kSdWarps>(p, blocks, s) : launch_skinny<SWIGLU, 8, kSdWarps>(p, blocks, s);
-  else q4 ? launch_skinny<SWIGLU, 4, 1>(p, blocks, s) : launch_skinny<SWIGLU, 8, 1>(p, blocks, s);
+  // K over the block's 4 warps where whole-K blocks would be under two per
+  // SM (4x the blocks, a quarter of the units in each warp's chain). Not
+  // for large grids: the lm_head's 3,880 blocks split so took 140 us at
+  // T = 2 against 121 (H100, ncu).
+  const int KU = p.K / (q4 ? 128 : 64);
+  int ks = blocks_for(16 * kSdWarps) < 2 * sm_count() && KU % kSdWarps == 0 ? kSdWarps : 1;
+  if (const int f = skinny_ks_override(false); f && KU % f == 0) ks = f;
+  const dim3 grid(blocks_for(16 * (kSdWarps / ks)));
+  if (ks == 4) q4 ? launch_skinny<SWIGLU, 4, 4>(p, grid, s) : launch_skinny<SWIGLU, 8, 4>(p, grid, s);
+  else if (ks == 2) q4 ? launch_skinny<SWIGLU, 4, 2>(p, grid, s) : launch_skinny<SWIGLU, 8, 2>(p, grid, s);
+  else q4 ? launch_skinny<SWIGLU, 4, 1>(p, grid, s) : launch_skinny<SWIGLU, 8, 1>(p, grid, s);
+}
+
+// A short run's MoE matrix (q4, grouped; p's part 0 and tile fields set):
+// one row of blocks per tile of the plan (max_tiles rows of the grid, the
+// unused ones exit), K split over the warps where the grid would give
+// under two blocks per SM. p.M: the most rows a tile can have.
+template <bool SWIGLU>
+void launch_skinny_grouped(const SkinnyParams& p, int max_tiles, cudaStream_t s) {
+  // K over two warps where the grid of whole-K blocks would be under four
+  // blocks per SM (runs of 2-5 tokens, few tiles): at T = 2 and 5 the run
+  // measured faster than with four (4x the blocks, SwiGLU's at 168
+  // registers 3 per SM: 1.5 waves) or none (H100, docs/cuda-prefill.md
+  // "Short runs").
+  const int rows = p.part[0].rows, KU = p.K / 128;
+  const int row_blocks = (rows + 16 * kSdWarps - 1) / (16 * kSdWarps);
+  int ks = size_t(row_blocks) * max_tiles < size_t(4 * sm_count()) && KU % 2 == 0 ? 2 : 1;
+  if (const int f = skinny_ks_override(true); f && KU % f == 0) ks = f;
+  const int rpb = 16 * (kSdWarps / ks);
+  const dim3 grid((rows + rpb - 1) / rpb, max_tiles);
+  if (ks == 4) launch_skinny<SWIGLU, 4, 4, true>(p, grid, s);
+  else if (ks == 2) launch_skinny<SWIGLU, 4, 2, true>(p, grid, s);
+  else launch_skinny<SWIGLU, 4, 1, true>(p, grid, s);
 }
 
 // y (columns [0, sum of rows)) = x . [parts]^T: one launch. With `up`
@@ -1288,10 +1432,13 @@ __device__ __forceinline__ int moe_scan_tiles(int* s_c, int* s_t, int e, int c, 
 // BM-row tiles as moe_scan_kernel makes them, and the permutation, with the
 // pairs of one expert in (token, slot) order (deterministic; the launches
 // for long prompts place them by atomics). Replaces the memset, route, scan
-// and scatter launches.
+// and scatter launches. shared: one more tile, expert E (the shared
+// expert) over every token, its rows after the routed pairs' (bm >= T).
 __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, int k, int norm, int bm, int* ids,
                                 float* weights, int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles,
-                                int* perm_row, int* slot_pos) {
+                                int* perm_row, int* slot_pos, int shared) {
+  p_pdl_wait();
+  p_pdl_trigger();
   __shared__ int s_c[1024], s_t[1024], s_ids[512];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = T * k;
   s_c[tid] = 0;
@@ -1311,6 +1458,16 @@ __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, in
   __syncthreads();
   moe_scan_tiles(s_c, s_t, tid, tid < E ? s_c[tid] : 0, E, bm, tile_expert, tile_row0, tile_rows, num_tiles);
   __syncthreads();
+  if (shared) {
+    if (tid == 0) {
+      const int nt = s_t[blockDim.x - 1];
+      tile_expert[nt] = E;
+      tile_row0[nt] = n;
+      tile_rows[nt] = T;
+      *num_tiles = nt + 1;
+    }
+    if (tid < T) perm_row[n + tid] = tid;
+  }
   // s_c[e] - (count of e) is e's offset: count e among all pairs, then place
   // pair i after the earlier pairs of its expert.
   for (int i = tid; i < n; i += blockDim.x) {
@@ -1359,6 +1516,8 @@ template <bool VEC>
 __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* slot_pos,
                                    const float* weights, int k, const float* shared, size_t ld_shared,
                                    const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate) {
+  p_pdl_wait();
+  p_pdl_trigger();
   const int t = blockIdx.x;
   __shared__ int s_pos[32];
   __shared__ float s_w[32];
@@ -1421,7 +1580,8 @@ struct MoeLayout {
 MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
   MoeLayout L{};
   const size_t n = size_t(T) * k;
-  L.max_tiles = int(n / kSkRows + std::min<size_t>(E, n) + 1);  // worst case over BM in {16, 64, 128}
+  // Worst case over BM in {16, 64, 128}, and the shared expert's tile.
+  L.max_tiles = int(n / kSkRows + std::min<size_t>(E, n) + 2);
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -1433,13 +1593,13 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
   L.counts = take(size_t(E) * 4);
   L.offsets = take(size_t(E) * 4);
   L.cursor = take(size_t(E) * 4);
-  L.perm_row = take(n * 4);
+  L.perm_row = take((n + T) * 4);  // the routed pairs', then the shared expert's rows
   L.slot_pos = take(n * 4);
   L.tile_expert = take(size_t(L.max_tiles) * 4);
   L.tile_row0 = take(size_t(L.max_tiles) * 4);
   L.tile_rows = take(size_t(L.max_tiles) * 4);
   L.num_tiles = take(4);
-  L.h = take(n * inter * 2);
+  L.h = take((n + T) * inter * 2);  // the routed pairs' rows, then the shared expert's
   L.yp = take(n * hidden * 2);
   L.total = off;
   return L;
@@ -1453,6 +1613,12 @@ void prefill_set_skinny_rows(int rows) {
   if (rows < 0 || rows > kSdMaxRows) fail("prefill_set_skinny_rows: rows (", rows, ") must be in [0, ", kSdMaxRows, "]");
   g_skinny_max_rows = rows;
 }
+
+void prefill_set_moe_grouped(bool on) { g_moe_grouped = on; }
+
+void prefill_set_pdl(bool on) { g_prefill_pdl = on; }
+
+bool prefill_pdl(int T) { return g_prefill_pdl && T <= g_skinny_max_rows; }
 
 int prefill_detail::sm_count() {
   static const int n = [] {
@@ -1593,6 +1759,60 @@ size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter) {
 
 namespace {
 
+// A short run's gate/up and down as grouped skinny launches over the plan's
+// tiles (one per expert, the shared expert's last when fuse_sh).
+void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const int* perm_row,
+                     const int* tile_expert, const int* tile_row0, const int* tile_rows, const int* num_tiles,
+                     uint16_t* h, uint16_t* yp, cudaStream_t stream) {
+  const GemmParams gb = base_params(a.gate), ub = base_params(a.up), db = base_params(a.down);
+  SkinnyParams g{};
+  g.part[0] = SkinnyPart{gb.w, gb.sb, gb.w_row_stride, gb.sb_row_stride, a.inter, 0, gb.sb_f16, 0};
+  g.nparts = 1;
+  g.w2 = ub.w;
+  g.sb2 = ub.sb;
+  g.K = a.hidden;
+  g.M = a.T;
+  g.x = a.x;
+  g.ldx = a.ldx;
+  g.y = h;
+  g.ldy = a.inter;
+  g.out_kind = int(PrefillOut::BF16);
+  g.tile_expert = tile_expert;
+  g.tile_row0 = tile_row0;
+  g.tile_rows = tile_rows;
+  g.num_tiles = num_tiles;
+  g.x_rows = perm_row;
+  g.expert_w_bytes = gb.expert_w_bytes;
+  g.expert_sb_words = gb.expert_sb_words;
+  g.E = a.E;
+  if (fuse_sh) {
+    g.sh_w = base_params(a.sh_gate).w;
+    g.sh_sb = base_params(a.sh_gate).sb;
+    g.sh_w2 = base_params(a.sh_up).w;
+    g.sh_sb2 = base_params(a.sh_up).sb;
+  }
+  launch_skinny_grouped<true>(g, max_tiles, stream);
+  SkinnyParams d = g;
+  d.part[0] = SkinnyPart{db.w, db.sb, db.w_row_stride, db.sb_row_stride, a.hidden, 0, db.sb_f16, 0};
+  d.w2 = nullptr;
+  d.sb2 = nullptr;
+  d.K = a.inter;
+  d.x = h;
+  d.ldx = a.inter;
+  d.x_rows = nullptr;
+  d.y = yp;
+  d.ldy = a.hidden;
+  d.expert_w_bytes = db.expert_w_bytes;
+  d.expert_sb_words = db.expert_sb_words;
+  if (fuse_sh) {
+    d.sh_w = base_params(a.sh_down).w;
+    d.sh_sb = base_params(a.sh_down).sb;
+    d.y_shared = const_cast<float*>(a.shared_out);
+    d.ld_shared = a.ld_shared;
+  }
+  launch_skinny_grouped<false>(d, max_tiles, stream);
+}
+
 // ev (optional): 5 events recorded around routing, gate/up, down, combine.
 void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   auto mark = [&](int i) {
@@ -1643,20 +1863,52 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   // tiles take 0.28 / 0.37 / 0.60 ms, 64-row tiles 0.50 / 0.52 / 0.59,
   // 128-row tiles 0.57 / 0.59 / 0.59; at T = 2048, 64-row tiles 0.93 and
   // 128-row tiles 0.68.)
+  const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
+  const bool plan1 = a.T <= prefill_skinny_rows() && n <= 512 && plan_threads <= 1024;
+  // A short run (one plan block) with q4 experts takes the skinny dense
+  // kernel in grouped form: one tile per expert (<= T rows), and the
+  // shared expert, when its weights come along in the stacks' layout, as
+  // one more tile of the same launches.
+  const bool grouped = g_moe_grouped && plan1 && a.tile_rows == 0 && a.gate.fmt == PrefillWeightFormat::Q4 &&
+                       a.down.fmt == PrefillWeightFormat::Q4 && a.hidden % 128 == 0 && a.inter % 128 == 0 &&
+                       skinny_smem_bytes(a.T, std::max(a.hidden, a.inter)) <= size_t(kSdMaxSmem);
+  const bool has_sh = a.sh_gate.w != nullptr;
+  auto same_layout = [](const PrefillWeight& s, const PrefillWeight& w) {
+    const GemmParams x = base_params(s), y = base_params(w);
+    return s.fmt == w.fmt && s.rows == w.rows && s.cols == w.cols && x.w_row_stride == y.w_row_stride &&
+           x.sb_row_stride == y.sb_row_stride && x.sb_f16 == y.sb_f16;
+  };
+  if (has_sh) {
+    validate_weight(a.sh_gate, "prefill_moe (shared gate)");
+    validate_weight(a.sh_up, "prefill_moe (shared up)");
+    validate_weight(a.sh_down, "prefill_moe (shared down)");
+    const int si = a.sh_gate.rows;
+    if (a.sh_up.rows != si || a.sh_gate.cols != a.hidden || a.sh_up.cols != a.hidden || a.sh_down.rows != a.hidden ||
+        a.sh_down.cols != si)
+      fail("prefill_moe: shared expert shapes must be gate/up [I x ", a.hidden, "], down [", a.hidden, " x I]");
+    if (si > a.inter) fail("prefill_moe: a shared expert wider than the routed ones is the caller's to compute");
+    if (!a.shared_out || !a.shared_gate_logit) fail("prefill_moe: the shared expert needs shared_out and its gate");
+  }
+  const bool fuse_sh = grouped && has_sh && same_layout(a.sh_gate, a.gate) && same_layout(a.sh_up, a.up) &&
+                       same_layout(a.sh_down, a.down);
   const int rows_per_expert = n / a.E;
-  const int bm = a.tile_rows                          ? a.tile_rows
-                 : skinny_ok && rows_per_expert <= 16 ? kSkRows
-                 : rows_per_expert >= 32              ? 128
-                                                      : 64;
-  const int max_tiles = n / bm + std::min(a.E, n) + 1;
+  const int bm = a.tile_rows                                         ? a.tile_rows
+                 : grouped || (skinny_ok && rows_per_expert <= 16) ? kSkRows
+                 : rows_per_expert >= 32                             ? 128
+                                                                     : 64;
+  const int max_tiles = n / bm + std::min(a.E, n) + (fuse_sh ? 2 : 1);
 
   mark(0);
-  const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
-  if (a.T <= prefill_skinny_rows() && n <= 512 && plan_threads <= 1024) {
-    moe_plan_kernel<<<1, plan_threads, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0,
-                                                   bm, ids, weights, tile_expert, tile_row0, tile_rows, num_tiles,
-                                                   perm_row, slot_pos);
-    check_launch("moe_plan_kernel");
+  if (has_sh && !fuse_sh) {  // the shared expert on its own launches, into shared_out
+    uint16_t* hs = h + size_t(n) * a.inter;
+    prefill_gemm_swiglu(a.sh_gate, a.sh_up, a.x, a.T, a.ldx, hs, a.inter, stream);
+    prefill_gemm(a.sh_down, hs, a.T, a.inter, const_cast<float*>(a.shared_out), a.ld_shared, PrefillOut::F32,
+                 stream);
+  }
+  if (plan1) {
+    launch_p("moe_plan_kernel", prefill_pdl(a.T), moe_plan_kernel, dim3(1), dim3(plan_threads), 0, stream,
+             a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0, bm, ids, weights, tile_expert, tile_row0,
+             tile_rows, num_tiles, perm_row, slot_pos, fuse_sh ? 1 : 0);
   } else {
     check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
     moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
@@ -1670,50 +1922,56 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
     check_launch("moe_scatter_kernel");
   }
 
-  GemmParams p = base_params(a.gate);
-  p.w2 = static_cast<const uint8_t*>(a.up.w);
-  p.sb2 = a.up.sb;
-  p.x = a.x;
-  p.ldx = a.ldx;
-  p.a_rows = perm_row;
-  p.tile_expert = tile_expert;
-  p.tile_row0 = tile_row0;
-  p.tile_rows = tile_rows;
-  p.num_tiles = num_tiles;
-  p.y = h;
-  p.ldy = a.inter;
-  p.out_kind = int(PrefillOut::BF16);
-  mark(1);
-  if (bm == kSkRows)
-    launch_moe_skinny(p, true, max_tiles, stream);
-  else
-    launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
-  mark(2);
+  if (grouped) {
+    mark(1);
+    run_moe_grouped(a, fuse_sh, max_tiles, perm_row, tile_expert, tile_row0, tile_rows, num_tiles, h, yp, stream);
+    mark(2);
+  } else {
+    GemmParams p = base_params(a.gate);
+    p.w2 = static_cast<const uint8_t*>(a.up.w);
+    p.sb2 = a.up.sb;
+    p.x = a.x;
+    p.ldx = a.ldx;
+    p.a_rows = perm_row;
+    p.tile_expert = tile_expert;
+    p.tile_row0 = tile_row0;
+    p.tile_rows = tile_rows;
+    p.num_tiles = num_tiles;
+    p.y = h;
+    p.ldy = a.inter;
+    p.out_kind = int(PrefillOut::BF16);
+    mark(1);
+    if (bm == kSkRows)
+      launch_moe_skinny(p, true, max_tiles, stream);
+    else
+      launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
+    mark(2);
 
-  GemmParams q = base_params(a.down);
-  q.x = h;
-  q.ldx = a.inter;
-  q.a_rows = nullptr;
-  q.tile_expert = tile_expert;
-  q.tile_row0 = tile_row0;
-  q.tile_rows = tile_rows;
-  q.num_tiles = num_tiles;
-  q.y = yp;
-  q.ldy = a.hidden;
-  q.out_kind = int(PrefillOut::BF16);
-  if (bm == kSkRows)
-    launch_moe_skinny(q, false, max_tiles, stream);
-  else
-    launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+    GemmParams q = base_params(a.down);
+    q.x = h;
+    q.ldx = a.inter;
+    q.a_rows = nullptr;
+    q.tile_expert = tile_expert;
+    q.tile_row0 = tile_row0;
+    q.tile_rows = tile_rows;
+    q.num_tiles = num_tiles;
+    q.y = yp;
+    q.ldy = a.hidden;
+    q.out_kind = int(PrefillOut::BF16);
+    if (bm == kSkRows)
+      launch_moe_skinny(q, false, max_tiles, stream);
+    else
+      launch_gemm(a.down.fmt, q, bm, false, true, dim3(max_tiles, (a.hidden + kBN - 1) / kBN), stream);
+  }
   mark(3);
 
   auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
   const bool vec = a.hidden % 8 == 0 && a.ldo % 4 == 0 && aligned16(a.out) &&
                    (!a.shared_out || (a.ld_shared % 4 == 0 && aligned16(a.shared_out)));
-  (vec ? moe_combine_kernel<true> : moe_combine_kernel<false>)<<<a.T, 256, 0, stream>>>(
-      yp, a.hidden, slot_pos, weights, a.k, a.shared_out, a.ld_shared, a.shared_gate_logit, a.ld_shared_gate,
-      a.out, a.ldo, a.accumulate ? 1 : 0);
-  check_launch("moe_combine_kernel");
+  launch_p("moe_combine_kernel", prefill_pdl(a.T), vec ? moe_combine_kernel<true> : moe_combine_kernel<false>,
+           dim3(a.T), dim3(256), 0, stream, static_cast<const uint16_t*>(yp), a.hidden,
+           static_cast<const int*>(slot_pos), static_cast<const float*>(weights), a.k, a.shared_out, a.ld_shared,
+           a.shared_gate_logit, a.ld_shared_gate, a.out, a.ldo, a.accumulate ? 1 : 0);
   mark(4);
 }
 

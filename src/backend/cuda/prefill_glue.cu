@@ -22,6 +22,8 @@ __device__ __forceinline__ uint16_t bf16_of(float f) {
 }
 
 __global__ void __launch_bounds__(kPrepWarps * 32) attn_prep_kernel(const AttnPrepParams p) {
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float buf[kPrepWarps][kPrepMaxHd];
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int pos = p.P + t, hd = p.hd, half = p.rotary_dim / 2;
@@ -84,6 +86,8 @@ __global__ void kv_q8_expand_kernel(const KvQ8Rows q, int nkv, int hd, int p0, i
 }
 
 __global__ void kv_q8_store_kernel(uint16_t* src, int src_cap, int nkv, int hd, int p0, int p1, const KvQ8Rows q) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
   const int n = p1 - p0;
   if (warp >= nkv * n) return;
@@ -126,7 +130,7 @@ void launch_kv_q8_store(uint16_t* src, int src_cap, int nkv, int hd, int p0, int
   check_q8_rows("kv_q8_store", q, p0, p1);
   if (p1 > src_cap) fail("kv_q8_store: rows up to ", p1, " of a buffer of ", src_cap);
   const int warps = nkv * (p1 - p0);
-  launch_kernel("kv_q8_store", kv_q8_store_kernel, dim3((warps + 7) / 8), dim3(256), 0, s, false, src, src_cap,
+  launch_kernel("kv_q8_store", kv_q8_store_kernel, dim3((warps + 7) / 8), dim3(256), 0, s, prefill_pdl(p1 - p0), src, src_cap,
                 nkv, hd, p0, p1, q);
 }
 
@@ -140,7 +144,7 @@ void launch_attn_prep(const AttnPrepParams& p, cudaStream_t s) {
   // A short run (prefill_skinny_rows): one warp a head (more blocks a row
   // for the same work).
   const int ys = p.T <= prefill_skinny_rows() ? (p.nh + p.nkv + kPrepWarps - 1) / kPrepWarps : 1;
-  launch_kernel("attn_prep", attn_prep_kernel, dim3(p.T, ys), dim3(kPrepWarps * 32), 0, s, false, p);
+  launch_kernel("attn_prep", attn_prep_kernel, dim3(p.T, ys), dim3(kPrepWarps * 32), 0, s, prefill_pdl(p.T), p);
 }
 
 }  // namespace lily::cuda
