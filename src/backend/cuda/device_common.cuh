@@ -12,6 +12,7 @@
 #include <string>
 
 #include "backend/cuda/kernels.h"
+#include "backend/cuda/launch.h"
 #include "backend/cuda/cuda_util.h"
 
 namespace lily::cuda {
@@ -264,38 +265,6 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int idx) {
 }
 __device__ __forceinline__ int argmax_key_index(unsigned long long k) {
   return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(k & 0xFFFFFFFFull));
-}
-
-// Launch with (optionally) the programmatic-stream-serialization attribute
-// and (cluster > 1) clusters of that many blocks along x.
-template <typename... KArgs, typename... Args>
-void launch_kernel_ex(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                      cudaStream_t s, bool pdl, unsigned cluster, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[2];
-  unsigned n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n++].val.clusterDim = {cluster, 1, 1};
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = n;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (e != cudaSuccess)
-    fail("CUDA error launching ", name, ": ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
-}
-template <typename... KArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                   cudaStream_t s, bool pdl, Args&&... args) {
-  launch_kernel_ex(name, kernel, grid, block, smem, s, pdl, 1u, std::forward<Args>(args)...);
 }
 
 // An A/B switch from the environment ("0" / "1"), read at each launch: the

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "backend/cuda/launch.h"
 #include "backend/cuda/prefill.h"
 #include "core/error.h"
 
@@ -44,17 +45,7 @@ __device__ __forceinline__ void p_pdl_trigger() { asm volatile("griddepcontrol.l
 template <typename... KArgs, typename... Args>
 void launch_p(const char* name, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
               cudaStream_t s, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
+  launch_kernel_ex(name, kernel, grid, block, smem, s, pdl, 1u, std::forward<Args>(args)...);
 }
 
 // The DeltaNet over a run of few tokens, token by token (prefill_deltanet_run.cu):

@@ -1927,19 +1927,25 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
     run_moe_grouped(a, fuse_sh, max_tiles, perm_row, tile_expert, tile_row0, tile_rows, num_tiles, h, yp, stream);
     mark(2);
   } else {
-    GemmParams p = base_params(a.gate);
+    // A grouped launch's parameters over the plan's tiles (bf16 output).
+    auto tiled = [&](const PrefillWeight& w, const uint16_t* x, size_t ldx, const int* a_rows, uint16_t* y,
+                     size_t ldy) {
+      GemmParams q = base_params(w);
+      q.x = x;
+      q.ldx = ldx;
+      q.a_rows = a_rows;
+      q.tile_expert = tile_expert;
+      q.tile_row0 = tile_row0;
+      q.tile_rows = tile_rows;
+      q.num_tiles = num_tiles;
+      q.y = y;
+      q.ldy = ldy;
+      q.out_kind = int(PrefillOut::BF16);
+      return q;
+    };
+    GemmParams p = tiled(a.gate, a.x, a.ldx, perm_row, h, a.inter);
     p.w2 = static_cast<const uint8_t*>(a.up.w);
     p.sb2 = a.up.sb;
-    p.x = a.x;
-    p.ldx = a.ldx;
-    p.a_rows = perm_row;
-    p.tile_expert = tile_expert;
-    p.tile_row0 = tile_row0;
-    p.tile_rows = tile_rows;
-    p.num_tiles = num_tiles;
-    p.y = h;
-    p.ldy = a.inter;
-    p.out_kind = int(PrefillOut::BF16);
     mark(1);
     if (bm == kSkRows)
       launch_moe_skinny(p, true, max_tiles, stream);
@@ -1947,17 +1953,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
       launch_gemm(a.gate.fmt, p, bm, true, true, dim3(max_tiles, (a.inter + 63) / 64), stream);
     mark(2);
 
-    GemmParams q = base_params(a.down);
-    q.x = h;
-    q.ldx = a.inter;
-    q.a_rows = nullptr;
-    q.tile_expert = tile_expert;
-    q.tile_row0 = tile_row0;
-    q.tile_rows = tile_rows;
-    q.num_tiles = num_tiles;
-    q.y = yp;
-    q.ldy = a.hidden;
-    q.out_kind = int(PrefillOut::BF16);
+    const GemmParams q = tiled(a.down, h, a.inter, nullptr, yp, a.hidden);
     if (bm == kSkRows)
       launch_moe_skinny(q, false, max_tiles, stream);
     else
