@@ -875,7 +875,7 @@ GemmParams base_params(const PrefillWeight& w);
 
 size_t skinny_smem_bytes(int T, int K) { return size_t(T) * (size_t(K) * 2 + 8); }
 
-template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED, bool PS>
+template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED>
 __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid_constant__ SkinnyParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
@@ -971,41 +971,6 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     for (int d = 0; d < RING; ++d) {
       const int kg = kg0 + d;
       load_group(kg + RING - 1, cw[(d + RING - 1) % RING], cs[(d + RING - 1) % RING]);
-      if constexpr (PS) {  // q4: each step's fragments made just before its MMAs
-        __nv_bfloat162 S[R], Bb[R];
-        float2 sc[R];
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          if (f16) sc[i] = scale_bias(cs[d][i], 1);
-          else scale_bias_bf162(cs[d][i], S[i], Bb[i]);
-        }
-#pragma unroll
-        for (int j = 0; j < kSteps; ++j) {
-          uint32_t a[MT][4];
-#pragma unroll
-          for (int i = 0; i < R; ++i) {
-            const uint4 c = cw[d][i];
-            const uint32_t w = (j >> 1) == 0 ? c.x : (j >> 1) == 1 ? c.y : (j >> 1) == 2 ? c.z : c.w;
-            if (j & 1) {
-              a[i >> 1][i & 1] = f16 ? skinny_pair_f32<2>(w, sc[i]) : q4_pair_bf16<2>(w, S[i], Bb[i]);
-              a[i >> 1][2 + (i & 1)] = f16 ? skinny_pair_f32<3>(w, sc[i]) : q4_pair_bf16<3>(w, S[i], Bb[i]);
-            } else {
-              a[i >> 1][i & 1] = f16 ? skinny_pair_f32<0>(w, sc[i]) : q4_pair_bf16<0>(w, S[i], Bb[i]);
-              a[i >> 1][2 + (i & 1)] = f16 ? skinny_pair_f32<1>(w, sc[i]) : q4_pair_bf16<1>(w, S[i], Bb[i]);
-            }
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 b =
-                8 * nt + g < M
-                    ? *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * kPerUnit + (kPerUnit / 4) * t + 4 * j)
-                    : make_uint2(0, 0);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[mt][nt], a[mt], b.x, b.y);
-          }
-        }
-        continue;
-      }
       uint32_t a[MT][kSteps][4];
 #pragma unroll
       for (int i = 0; i < R; ++i) {
@@ -1089,20 +1054,9 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
   return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
 }
 
-// SwiGLU q4 launches make each k-step's fragments just before its MMAs
-// (fewer registers live than all 8 steps' at once); LILY_CUDA_SKINNY_PS=0
-// for the all-at-once form (experiments).
-bool skinny_per_step() {
-  static const bool on = [] {
-    const char* v = std::getenv("LILY_CUDA_SKINNY_PS");
-    return !v || std::atoi(v) != 0;
-  }();
-  return on;
-}
-
-template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED, bool PS = false>
+template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED>
 void launch_skinny_t(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
-  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS, GROUPED, PS>;
+  auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS, GROUPED>;
   static const bool attr_ok = [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
           "cudaFuncSetAttribute(prefill skinny GEMM)");
@@ -1124,14 +1078,7 @@ void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
     if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
-    else if (KG % 4 == 0) {
-      // SwiGLU q4 (4 rows a lane): the per-step fragments (PS), unless
-      // LILY_CUDA_SKINNY_PS=0 (experiments).
-      if constexpr (SWIGLU && BITS == 4) {
-        if (skinny_per_step()) return launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED, true>(p, blocks, s);
-      }
-      launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
-    }
+    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
     else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
     else launch_skinny_t<NT, 1, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
   };
