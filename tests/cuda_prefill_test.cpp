@@ -161,6 +161,23 @@ HostWeight make_weight(Rng& r, PrefillWeightFormat fmt, int rows, int cols, bool
   return w;
 }
 
+// Gate and up stacks (E experts of rows x cols each, q4 / q8) as one stack
+// with each expert's rows interleaved: gate i at row 2i, up i at 2i + 1 (the
+// decode upload's layout).
+HostWeight interleave_rows(const HostWeight& g, const HostWeight& u, int E) {
+  HostWeight w{g.fmt, 2 * g.rows, g.cols, g.sb_f16, {}, {}, {}};
+  const int bits = g.fmt == PrefillWeightFormat::Q4 ? 4 : 8;
+  const size_t wpr = size_t(g.cols) * bits / 32, spr = size_t(g.cols) / 64, rows = size_t(g.rows) / E;
+  for (int e = 0; e < E; ++e)
+    for (size_t i = 0; i < rows; ++i)
+      for (const HostWeight* src : {&g, &u}) {
+        const size_t r = e * rows + i;
+        w.data.insert(w.data.end(), src->data.begin() + r * wpr, src->data.begin() + (r + 1) * wpr);
+        w.sb.insert(w.sb.end(), src->sb.begin() + r * spr, src->sb.begin() + (r + 1) * spr);
+      }
+  return w;  // deq left empty: the references use g's and u's
+}
+
 struct DevWeight {
   Dev data, sb;
   PrefillWeight view;
@@ -604,11 +621,11 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 // choice at >= 32 rows per expert, wgmma; 16: q4 experts only).
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
                   PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
-                  bool sb_f16 = false, int shared_inter = 0) {
+                  bool sb_f16 = false, int shared_inter = 0, bool interleave = false) {
   SCOPED_TRACE(::testing::Message() << "T " << T << " E " << E << " k " << k << " hidden " << hidden
                                     << " inter " << inter << " fmt " << int(fmt) << " tile rows " << tile_rows
                                     << " ldo pad " << ldo_pad << " f16 scales " << sb_f16 << " shared weights "
-                                    << shared_inter);
+                                    << shared_inter << " interleaved " << interleave);
   Rng r(seed);
   // Stacked experts: one HostWeight of E*rows rows is the stack.
   HostWeight g = make_weight(r, fmt, E * inter, hidden, sb_f16);
@@ -680,7 +697,8 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     }
   }
 
-  DevWeight dg = upload_weight(g), du = upload_weight(u), dd = upload_weight(d);
+  DevWeight dg = upload_weight(interleave ? interleave_rows(g, u, E) : g), du = upload_weight(u),
+            dd = upload_weight(d);
   auto stack = [&](DevWeight& w, int rows, int cols) {
     PrefillWeight v = w.view;
     v.rows = rows;
@@ -688,6 +706,19 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
     v.expert_w_bytes = size_t(rows) * cols * bits / 8;
     v.expert_sb_words = bits == 16 ? 0 : size_t(rows) * cols / 64;
     return v;
+  };
+  // Interleaved: gate and up views of one stack of 2 inter rows an expert.
+  auto pair_views = [&](DevWeight& w, int rows, int cols, int experts, PrefillWeight& gv, PrefillWeight& uv) {
+    gv = w.view;
+    gv.rows = rows;
+    gv.cols = cols;
+    gv.row_stride_bytes = size_t(cols) * bits / 8 * 2;
+    gv.sb_row_stride_words = size_t(cols) / 64 * 2;
+    gv.expert_w_bytes = experts > 1 ? size_t(2 * rows) * cols * bits / 8 : 0;
+    gv.expert_sb_words = experts > 1 ? size_t(2 * rows) * cols / 64 : 0;
+    uv = gv;
+    uv.w = static_cast<const uint8_t*>(gv.w) + size_t(cols) * bits / 8;
+    uv.sb = gv.sb + cols / 64;
   };
   Dev x = upload(xb), dl = upload(logits), dsh = upload(sh), dsg = upload(sg);
   // The output rows are hidden + ldo_pad apart (an odd pad takes the
@@ -707,8 +738,12 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   a.ldx = hidden;
   a.router_logits = dl.as<float>();
   a.ld_logits = E;
-  a.gate = stack(dg, inter, hidden);
-  a.up = stack(du, inter, hidden);
+  if (interleave) {
+    pair_views(dg, inter, hidden, E, a.gate, a.up);
+  } else {
+    a.gate = stack(dg, inter, hidden);
+    a.up = stack(du, inter, hidden);
+  }
   a.down = stack(dd, hidden, inter);
   if (shared) {
     a.shared_out = dsh.as<float>();
@@ -718,10 +753,17 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   }
   std::vector<DevWeight> dshw;
   if (shared && shared_inter > 0) {
-    for (const HostWeight* w : {&sg_w, &su_w, &sd_w}) dshw.push_back(upload_weight(*w));
-    a.sh_gate = dshw[0].view;
-    a.sh_up = dshw[1].view;
-    a.sh_down = dshw[2].view;
+    if (interleave) {
+      dshw.push_back(upload_weight(interleave_rows(sg_w, su_w, 1)));
+      dshw.push_back(upload_weight(sd_w));
+      pair_views(dshw[0], shared_inter, hidden, 1, a.sh_gate, a.sh_up);
+      a.sh_down = dshw[1].view;
+    } else {
+      for (const HostWeight* w : {&sg_w, &su_w, &sd_w}) dshw.push_back(upload_weight(*w));
+      a.sh_gate = dshw[0].view;
+      a.sh_up = dshw[1].view;
+      a.sh_down = dshw[2].view;
+    }
     ck(cudaMemset(dsh.p, 0xff, dsh.bytes), "memset");  // NaN until prefill_moe writes it
   }
   a.out = out.as<float>();
@@ -802,6 +844,11 @@ TEST(CudaPrefillMoe, MatchesCpuShortRunsSharedWeights) {
   run_moe_case(16, 32, 8, 512, 256, true, true, 73, PrefillWeightFormat::Q4, 0, 3, false, 256);
   run_moe_case(3, 16, 4, 256, 128, true, true, 74, PrefillWeightFormat::Q4, 0, 0, false, 64);
   run_moe_case(5, 16, 4, 256, 128, true, false, 75, PrefillWeightFormat::Q8, 0, 0, false, 128);
+  // Gate / up interleaved (the backend's layout): one plain launch over
+  // both, the shared expert (interleaved too) as one more tile.
+  run_moe_case(2, 256, 8, 2048, 512, true, true, 78, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
+  run_moe_case(13, 32, 8, 512, 256, true, false, 79, PrefillWeightFormat::Q4, 0, 5, true, 256, true);
+  run_moe_case(4, 16, 4, 256, 128, false, true, 80, PrefillWeightFormat::Q4, 0, 0, false, 0, true);
   prefill_set_moe_grouped(false);
   run_moe_case(2, 256, 8, 2048, 512, true, true, 76, PrefillWeightFormat::Q4, 0, 0, false, 512);
   run_moe_case(7, 32, 4, 256, 256, true, false, 77);

@@ -835,6 +835,11 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // follows from the shapes alone and every output is summed in a fixed
 // order and written once, so a row's result does not depend on T.
 constexpr int kSdWarps = 4;
+// SkinnyParams::out_kind past PrefillOut's: the matrix is gate / up rows
+// interleaved (gate i at row 2i, up i at 2i + 1, as the decode upload
+// stores them) and output i (bf16) is silu(row 2i) * row 2i + 1, so SwiGLU
+// runs as a plain launch (2 rows a lane instead of 4: half the registers).
+constexpr int kOutSwigluPairs = 3;
 constexpr int kSdMaxRows = 16;
 constexpr int kSdMaxParts = 4;
 constexpr int kSdMaxSmem = 200 * 1024;
@@ -919,8 +924,10 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     } else {
       P.w += size_t(e) * p.expert_w_bytes;
       P.sb += size_t(e) * p.expert_sb_words;
-      w2 += size_t(e) * p.expert_w_bytes;
-      sb2 += size_t(e) * p.expert_sb_words;
+      if constexpr (SWIGLU) {
+        w2 += size_t(e) * p.expert_w_bytes;
+        sb2 += size_t(e) * p.expert_sb_words;
+      }
     }
   }
 
@@ -1023,13 +1030,17 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
     for (int e = 0; e < 4; ++e) {
       const int tok = 8 * nt + 2 * t + (e & 1);
       const int n = n0 + g + 8 * (e >> 1);
+      float v = acc[0][nt][e];
+      if (!SWIGLU && p.out_kind == kOutSwigluPairs)  // row n + 1 (up) sits in lane + 4 (g + 1); all lanes here
+        v = p_silu(v) * __shfl_xor_sync(0xffffffffu, v, 4);
       if (tok >= M || n >= P.rows) continue;
       const size_t at = size_t(m0 + tok) * p.ldy + P.col0 + n;
       if constexpr (SWIGLU) {
         static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
       } else {
-        const float v = acc[0][nt][e];
-        if (GROUPED && shared_tile) p.y_shared[size_t(tok) * p.ld_shared + n] = v;
+        if (p.out_kind == kOutSwigluPairs) {
+          if ((g & 1) == 0) static_cast<uint16_t*>(p.y)[size_t(m0 + tok) * p.ldy + P.col0 + n / 2] = f32_to_bf16_bits(v);
+        } else if (GROUPED && shared_tile) p.y_shared[size_t(tok) * p.ld_shared + n] = v;
         else if (p.out_kind == int(PrefillOut::BF16)) static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(v);
         else if (p.out_kind == int(PrefillOut::F32Add)) static_cast<float*>(p.y)[at] += v;
         else static_cast<float*>(p.y)[at] = v;
@@ -1072,7 +1083,8 @@ void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
   if (blocks.x > 2147483647u / 2) fail("prefill skinny GEMM: too many output rows");
   // The ring: the most units (64 code bytes a row; up to 8, 4 for SwiGLU
   // (4 rows of 16 bytes a lane) and for q4 (two groups a unit)) that divide
-  // a warp's share of K.
+  // a warp's share of K. (8 for q4 measured slower: the MoE gate/up at
+  // T = 2 18.3 -> 28.0 us, out_proj 9.4 -> 12.2, H100.)
   const int KG = p.K / (BITS == 4 ? 128 : 64) / KS;
   constexpr int kMaxRing = SWIGLU || BITS == 4 ? 4 : 8;
   auto go = [&](auto nt) {
@@ -1706,6 +1718,15 @@ size_t prefill_moe_workspace_bytes(int T, int E, int k, int hidden, int inter) {
 
 namespace {
 
+// up == gate one row further, both at twice the packed row strides (q4).
+bool interleaved_pair(const PrefillWeight& gate, const PrefillWeight& up) {
+  const GemmParams x = base_params(gate), y = base_params(up);
+  const size_t row = size_t(gate.cols) / 2, sbw = size_t(gate.cols) / 64;
+  return gate.fmt == PrefillWeightFormat::Q4 && up.fmt == gate.fmt && up.rows == gate.rows &&
+         x.w_row_stride == 2 * row && x.sb_row_stride == 2 * sbw && y.w_row_stride == x.w_row_stride &&
+         y.sb_row_stride == x.sb_row_stride && y.w == x.w + row && y.sb == x.sb + sbw && x.sb_f16 == y.sb_f16;
+}
+
 // A short run's gate/up and down as grouped skinny launches over the plan's
 // tiles (one per expert, the shared expert's last when fuse_sh).
 void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const int* perm_row,
@@ -1713,17 +1734,30 @@ void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const
                      uint16_t* h, uint16_t* yp, cudaStream_t stream) {
   const GemmParams gb = base_params(a.gate), ub = base_params(a.up), db = base_params(a.down);
   SkinnyParams g{};
-  g.part[0] = SkinnyPart{gb.w, gb.sb, gb.w_row_stride, gb.sb_row_stride, a.inter, 0, gb.sb_f16, 0};
+  // Gate / up rows interleaved in one matrix (the backend's layout; the
+  // shared expert's too if it comes along): one plain launch over both.
+  static const bool pairs_on = [] {  // LILY_CUDA_MOE_PAIRS=0: the SwiGLU form (experiments)
+    const char* v = std::getenv("LILY_CUDA_MOE_PAIRS");
+    return !v || std::atoi(v) != 0;
+  }();
+  const bool pairs =
+      pairs_on && interleaved_pair(a.gate, a.up) && (!fuse_sh || interleaved_pair(a.sh_gate, a.sh_up));
+  if (pairs) {
+    g.part[0] = SkinnyPart{gb.w, gb.sb, gb.w_row_stride / 2, gb.sb_row_stride / 2, 2 * a.inter, 0, gb.sb_f16, 0};
+    g.out_kind = kOutSwigluPairs;
+  } else {
+    g.part[0] = SkinnyPart{gb.w, gb.sb, gb.w_row_stride, gb.sb_row_stride, a.inter, 0, gb.sb_f16, 0};
+    g.w2 = ub.w;
+    g.sb2 = ub.sb;
+    g.out_kind = int(PrefillOut::BF16);
+  }
   g.nparts = 1;
-  g.w2 = ub.w;
-  g.sb2 = ub.sb;
   g.K = a.hidden;
   g.M = a.T;
   g.x = a.x;
   g.ldx = a.ldx;
   g.y = h;
   g.ldy = a.inter;
-  g.out_kind = int(PrefillOut::BF16);
   g.tile_expert = tile_expert;
   g.tile_row0 = tile_row0;
   g.tile_rows = tile_rows;
@@ -1738,8 +1772,10 @@ void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const
     g.sh_w2 = base_params(a.sh_up).w;
     g.sh_sb2 = base_params(a.sh_up).sb;
   }
-  launch_skinny_grouped<true>(g, max_tiles, stream);
+  if (pairs) launch_skinny_grouped<false>(g, max_tiles, stream);
+  else launch_skinny_grouped<true>(g, max_tiles, stream);
   SkinnyParams d = g;
+  d.out_kind = int(PrefillOut::BF16);
   d.part[0] = SkinnyPart{db.w, db.sb, db.w_row_stride, db.sb_row_stride, a.hidden, 0, db.sb_f16, 0};
   d.w2 = nullptr;
   d.sb2 = nullptr;
