@@ -1522,9 +1522,9 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   m.upload_weights(*weights);
   m.alloc_workspace();
-  prefill_set_skinny_rows(m.opt.skinny_rows);
+  prefill_set_skinny_rows(m.opt.skinny_rows);  // refuses values outside [0, 16]
   prefill_set_moe_grouped(m.opt.moe_grouped);
-  prefill_set_pdl(m.opt.short_pdl);  // refuses values outside [0, 16]
+  prefill_set_pdl(m.opt.short_pdl);
   m.setup_prefill();
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);

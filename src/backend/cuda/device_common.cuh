@@ -17,13 +17,6 @@
 
 namespace lily::cuda {
 
-// Programmatic dependent launch: a kernel launched with the PDL attribute may
-// start before its predecessor ends; it must wait before touching anything the
-// predecessor writes. Without the attribute both are no-ops.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

@@ -1,5 +1,6 @@
 // Kernel launches with launch attributes (programmatic dependent launch,
-// clusters), shared by the decode and the prefill kernels' host code.
+// clusters) and the device side of PDL, shared by the decode and the
+// prefill kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,16 @@
 #include "core/error.h"
 
 namespace lily::cuda {
+
+// Programmatic dependent launch: a kernel launched with the PDL attribute may
+// start before its predecessor ends; it must wait before touching anything the
+// predecessor writes. Without the attribute both are no-ops.
+#ifdef __CUDACC__
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+#endif
 
 // Launch with (optionally) the programmatic-stream-serialization attribute
 // and (cluster > 1) clusters of that many blocks along x.

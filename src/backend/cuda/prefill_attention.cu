@@ -302,8 +302,8 @@ __device__ __forceinline__ void attn_load_kv_q8(uint16_t* kd, uint16_t* vd, cons
 
 template <int HD, bool Q8>
 __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnSplitParams sp) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   constexpr int kHD = HD;
   constexpr int kRowChunks = AttnShape<HD>::kRowChunks;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -385,8 +385,8 @@ __global__ void __launch_bounds__(kAttnThreads, 1) attn_split_kernel(const AttnS
 
 // One block per (query, head), one thread per dim: the splits merged.
 __global__ void attn_split_combine_kernel(const AttnSplitParams sp, int hd) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   const int row = blockIdx.x, d = threadIdx.x;  // row = t nh + h
   const int t = row / sp.a.nh, h = row % sp.a.nh, S = sp.splits;
   // The splits' (max, sum) pairs through shared memory (one load each, not

@@ -37,11 +37,9 @@ void timed_stages(float (&ms)[N], Run&& run) {
 int sm_count();
 
 // Programmatic dependent launch (prefill_pdl): a kernel that may be launched
-// with the attribute calls p_pdl_wait before it touches anything an earlier
-// launch writes (and only constants before), then p_pdl_trigger so that the
-// next launch can start beside it. Both are no-ops without the attribute.
-__device__ __forceinline__ void p_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void p_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// with the attribute calls pdl_wait (launch.h) before it touches anything an
+// earlier launch writes (and only constants before), then
+// pdl_launch_dependents so that the next launch can start beside it.
 template <typename... KArgs, typename... Args>
 void launch_p(const char* name, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
               cudaStream_t s, Args&&... args) {

@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(kDnThreads) dn_prep_kernel(const PrepParams p)
 // the run taken from there).
 __global__ void dn_ring_kernel(const float* qkv, size_t ld, int T, int P, int C, float* ring,
                                float* backup = nullptr, const float* src = nullptr) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   const int ch = blockIdx.x * blockDim.x + threadIdx.x;
   if (ch >= C) return;
   if (backup)
@@ -641,8 +641,8 @@ DnLayout dn_layout(int T, int nk, int nv, int dk, int dv) {
 __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z, size_t ld_z,
                                      const float* w, int heads, int dim, float eps, uint16_t* out,
                                      size_t ld_out) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   const int t = blockIdx.x, lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
   for (int hh = blockIdx.y * wpb + (threadIdx.x >> 5); hh < heads; hh += gridDim.y * wpb) {
     const float* src = o + size_t(t) * ld_o + size_t(hh) * dim;
@@ -664,8 +664,8 @@ __global__ void gated_rmsnorm_kernel(const float* o, size_t ld_o, const float* z
 constexpr int kNormCache = 4;
 __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n, float eps,
                                uint16_t* out, size_t ldo) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ float red[32];
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* src = x + size_t(t) * ldx;

@@ -28,8 +28,8 @@ constexpr int kRunK = 4;  // conv taps (prefill_deltanet: 4 only)
 constexpr int kRunMaxT = 16;  // tokens whose inputs are staged at once
 
 __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constant__ PrefillDeltaNetArgs a) {
-  prefill_detail::p_pdl_wait();
-  prefill_detail::p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   const int h = blockIdx.x, cb = blockIdx.y;
   const int tid = threadIdx.x, j = tid & (kDnCols - 1), qg = tid / kDnCols;
   const int dk = a.dk, dv = a.dv, nr = dk / kDnRowGroups, nch = 2 * dk + kDnCols;

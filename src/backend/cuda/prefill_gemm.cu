@@ -908,8 +908,8 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   const uint32_t* sb2 = p.sb2;
   bool shared_tile = false;
   if constexpr (GROUPED) {
-    p_pdl_wait();  // the plan's tiles
-    p_pdl_trigger();
+    pdl_wait();  // the plan's tiles
+    pdl_launch_dependents();
     const int tile = blockIdx.y;
     if (tile >= *p.num_tiles) return;
     const int e = p.tile_expert[tile];
@@ -955,8 +955,8 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
 #pragma unroll
   for (int d = 0; d < RING - 1; ++d) load_group(kbeg + d, cw[d], cs[d]);
   if constexpr (!GROUPED) {  // the first weights requested (constants), now x
-    p_pdl_wait();
-    p_pdl_trigger();
+    pdl_wait();
+    pdl_launch_dependents();
   }
 
   // The block's M rows, 8-byte copies (the MMAs take zeros for rows past M).
@@ -1396,8 +1396,8 @@ __device__ __forceinline__ int moe_scan_tiles(int* s_c, int* s_t, int e, int c, 
 __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, int k, int norm, int bm, int* ids,
                                 float* weights, int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles,
                                 int* perm_row, int* slot_pos, int shared) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   __shared__ int s_c[1024], s_t[1024], s_ids[512];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = T * k;
   s_c[tid] = 0;
@@ -1475,8 +1475,8 @@ template <bool VEC>
 __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* slot_pos,
                                    const float* weights, int k, const float* shared, size_t ld_shared,
                                    const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate) {
-  p_pdl_wait();
-  p_pdl_trigger();
+  pdl_wait();
+  pdl_launch_dependents();
   const int t = blockIdx.x;
   __shared__ int s_pos[32];
   __shared__ float s_w[32];
