@@ -436,10 +436,10 @@ void launch_attn_split_t(const AttnSplitParams& sp, cudaStream_t stream) {
   (void)attr_ok;
   const int row_blocks = (sp.a.T * sp.group + kBMq - 1) / kBMq;
   const bool pdl = prefill_pdl(sp.a.T);
-  launch_p("attn_split_kernel", pdl, attn_split_kernel<HD, Q8>, dim3(sp.splits, sp.a.nkv, row_blocks),
-           dim3(kAttnThreads), smem, stream, sp);
-  launch_p("attn_split_combine_kernel", pdl, attn_split_combine_kernel, dim3(sp.a.T * sp.a.nh), dim3(HD), 0, stream,
-           sp, HD);
+  launch_kernel("attn_split_kernel", attn_split_kernel<HD, Q8>, dim3(sp.splits, sp.a.nkv, row_blocks),
+                dim3(kAttnThreads), smem, stream, pdl, sp);
+  launch_kernel("attn_split_combine_kernel", attn_split_combine_kernel, dim3(sp.a.T * sp.a.nh), dim3(HD), 0, stream,
+                pdl, sp, HD);
 }
 template <int HD>
 void launch_attn_split(const AttnSplitParams& sp, cudaStream_t stream) {

@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "backend/cuda/launch.h"
 #include "backend/cuda/prefill.h"
@@ -36,15 +35,10 @@ void timed_stages(float (&ms)[N], Run&& run) {
 // Multiprocessors of the current device (read once).
 int sm_count();
 
-// Programmatic dependent launch (prefill_pdl): a kernel that may be launched
-// with the attribute calls pdl_wait (launch.h) before it touches anything an
-// earlier launch writes (and only constants before), then
+// Programmatic dependent launch (prefill_pdl): a kernel launched with the
+// attribute (launch_kernel, launch.h) calls pdl_wait before it touches
+// anything an earlier launch writes (and only constants before), then
 // pdl_launch_dependents so that the next launch can start beside it.
-template <typename... KArgs, typename... Args>
-void launch_p(const char* name, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-              cudaStream_t s, Args&&... args) {
-  launch_kernel_ex(name, kernel, grid, block, smem, s, pdl, 1u, std::forward<Args>(args)...);
-}
 
 // The DeltaNet over a run of few tokens, token by token (prefill_deltanet_run.cu):
 // reads the ring, leaves it for dn_ring_kernel to update.

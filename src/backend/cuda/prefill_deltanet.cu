@@ -738,8 +738,8 @@ void run_deltanet_d(const PrefillDeltaNetArgs& a, cudaStream_t stream, cudaEvent
   if (a.T <= prefill_skinny_rows()) {
     // A short run: the recurrent form (prefill_deltanet_run.cu), then the ring.
     launch_deltanet_run(a, stream);
-    launch_p("dn_ring_kernel", prefill_pdl(a.T), dn_ring_kernel, dim3((C + 255) / 256), dim3(256), 0, stream, a.qkv,
-             a.ld_qkv, a.T, a.first_position, C, a.conv_ring, a.ring_backup, a.ring_src);
+    launch_kernel("dn_ring_kernel", dn_ring_kernel, dim3((C + 255) / 256), dim3(256), 0, stream, prefill_pdl(a.T),
+                  a.qkv, a.ld_qkv, a.T, a.first_position, C, a.conv_ring, a.ring_backup, a.ring_src);
     for (int i = 1; i <= 4; ++i) mark(i);
     return;
   }
@@ -804,8 +804,8 @@ void prefill_gated_rmsnorm(const float* o, size_t ld_o, const float* z, size_t l
   if (!o || !z || !w || !out) fail("prefill_gated_rmsnorm: a pointer is null");
   // A short run: one warp per head (more blocks, the same arithmetic per head).
   const int ys = T <= prefill_skinny_rows() ? std::max(1, std::min((heads + 7) / 8, 65535)) : 1;
-  launch_p("gated_rmsnorm_kernel", prefill_pdl(T), gated_rmsnorm_kernel, dim3(T, ys), dim3(256), 0, stream, o, ld_o,
-           z, ld_z, w, heads, dim, eps, out, ld_out);
+  launch_kernel("gated_rmsnorm_kernel", gated_rmsnorm_kernel, dim3(T, ys), dim3(256), 0, stream, prefill_pdl(T), o,
+                ld_o, z, ld_z, w, heads, dim, eps, out, ld_out);
 }
 
 void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, float eps,
@@ -813,8 +813,8 @@ void prefill_rmsnorm(const float* x, size_t ldx, const float* w, int T, int n, f
   if (T <= 0) return;
   if (!x || !w || !out) fail("prefill_rmsnorm: a pointer is null");
   // A short run: 1,024 threads a row (the loads of a row in flight at once).
-  launch_p("rmsnorm_kernel", prefill_pdl(T), rmsnorm_kernel, dim3(T), dim3(T <= prefill_skinny_rows() ? 1024 : 256),
-           0, stream, x, ldx, w, n, eps, out, ldo);
+  launch_kernel("rmsnorm_kernel", rmsnorm_kernel, dim3(T), dim3(T <= prefill_skinny_rows() ? 1024 : 256), 0, stream,
+                prefill_pdl(T), x, ldx, w, n, eps, out, ldo);
 }
 
 }  // namespace lily::cuda

@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kDnThreads) dn_run_kernel(const __grid_constan
 void prefill_detail::launch_deltanet_run(const PrefillDeltaNetArgs& a, cudaStream_t stream) {
   if (a.dk > kDnMaxDk || a.dk % kDnRowGroups != 0 || a.dv % kDnCols != 0)
     fail("prefill_deltanet (run form): head dims ", a.dk, " x ", a.dv, " are not supported");
-  launch_p("dn_run_kernel", prefill_pdl(a.T), dn_run_kernel, dim3(a.nv, a.dv / kDnCols), dim3(kDnThreads), 0,
-           stream, a);
+  launch_kernel("dn_run_kernel", dn_run_kernel, dim3(a.nv, a.dv / kDnCols), dim3(kDnThreads), 0, stream,
+                prefill_pdl(a.T), a);
 }
 
 }  // namespace lily::cuda

@@ -1074,8 +1074,8 @@ void launch_skinny_t(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
     return true;
   }();
   (void)attr_ok;
-  launch_p("prefill skinny GEMM", prefill_pdl(p.M), kernel, blocks, dim3(kSdWarps * 32), skinny_smem_bytes(p.M, p.K),
-           s, p);
+  launch_kernel("prefill skinny GEMM", kernel, blocks, dim3(kSdWarps * 32), skinny_smem_bytes(p.M, p.K), s,
+                prefill_pdl(p.M), p);
 }
 
 template <bool SWIGLU, int BITS, int KS, bool GROUPED = false>
@@ -1889,9 +1889,9 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
                  stream);
   }
   if (plan1) {
-    launch_p("moe_plan_kernel", prefill_pdl(a.T), moe_plan_kernel, dim3(1), dim3(plan_threads), 0, stream,
-             a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0, bm, ids, weights, tile_expert, tile_row0,
-             tile_rows, num_tiles, perm_row, slot_pos, fuse_sh ? 1 : 0);
+    launch_kernel("moe_plan_kernel", moe_plan_kernel, dim3(1), dim3(plan_threads), 0, stream, prefill_pdl(a.T),
+                  a.router_logits, a.ld_logits, a.T, a.E, a.k, a.norm_topk ? 1 : 0, bm, ids, weights, tile_expert,
+                  tile_row0, tile_rows, num_tiles, perm_row, slot_pos, fuse_sh ? 1 : 0);
   } else {
     check(cudaMemsetAsync(counts, 0, size_t(a.E) * 4, stream), "cudaMemsetAsync(moe counts)");
     moe_route_kernel<<<(a.T + 7) / 8, 256, 0, stream>>>(a.router_logits, a.ld_logits, a.T, a.E, a.k,
@@ -1947,10 +1947,10 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
   const bool vec = a.hidden % 8 == 0 && a.ldo % 4 == 0 && aligned16(a.out) &&
                    (!a.shared_out || (a.ld_shared % 4 == 0 && aligned16(a.shared_out)));
-  launch_p("moe_combine_kernel", prefill_pdl(a.T), vec ? moe_combine_kernel<true> : moe_combine_kernel<false>,
-           dim3(a.T), dim3(256), 0, stream, static_cast<const uint16_t*>(yp), a.hidden,
-           static_cast<const int*>(slot_pos), static_cast<const float*>(weights), a.k, a.shared_out, a.ld_shared,
-           a.shared_gate_logit, a.ld_shared_gate, a.out, a.ldo, a.accumulate ? 1 : 0);
+  launch_kernel("moe_combine_kernel", vec ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(a.T), dim3(256),
+                0, stream, prefill_pdl(a.T), static_cast<const uint16_t*>(yp), a.hidden,
+                static_cast<const int*>(slot_pos), static_cast<const float*>(weights), a.k, a.shared_out, a.ld_shared,
+                a.shared_gate_logit, a.ld_shared_gate, a.out, a.ldo, a.accumulate ? 1 : 0);
   mark(4);
 }
 
