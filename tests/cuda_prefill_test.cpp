@@ -771,6 +771,15 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   a.accumulate = accumulate;
   a.workspace_bytes = prefill_moe_workspace_bytes(T, E, k, hidden, inter);
   a.tile_rows = tile_rows;
+  // Every case also has the combine write the RMSNorm of its rows over x
+  // itself (as the backend folds the next layer's input norm).
+  std::vector<float> nw(hidden);
+  for (auto& v : nw) v = r.uniform(0.5f, 1.5f);
+  Dev dnw = upload(nw);
+  a.norm_w = dnw.as<float>();
+  a.norm_eps = 1e-6f;
+  a.norm_out = x.as<uint16_t>();
+  a.ld_norm_out = hidden;
   Dev ws(a.workspace_bytes);
   a.workspace = ws.p;
   prefill_moe(a, nullptr);
@@ -779,6 +788,21 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < hidden; ++j) got[size_t(t) * hidden + j] = h[size_t(t) * ldo + j];
     for (size_t j = hidden; j < ldo; ++j) ASSERT_EQ(h[size_t(t) * ldo + j], 7.f) << "row " << t;
+  }
+  {  // the norm of the rows the GPU wrote: within bf16's rounding
+    const auto xn = download<uint16_t>(x, size_t(T) * hidden);
+    double worst = 0;
+    for (int t = 0; t < T; ++t) {
+      double ss = 0;
+      for (int j = 0; j < hidden; ++j) ss += double(got[size_t(t) * hidden + j]) * got[size_t(t) * hidden + j];
+      const double inv = 1.0 / std::sqrt(ss / hidden + 1e-6);
+      for (int j = 0; j < hidden; ++j) {
+        const double want = got[size_t(t) * hidden + j] * inv * nw[j];
+        const double have = bf16_to_f32(xn[size_t(t) * hidden + j]);
+        worst = std::max(worst, std::fabs(have - want) / (std::fabs(want) + 1e-3));
+      }
+    }
+    EXPECT_LT(worst, 1.0 / 256) << "the combine's output norm";
   }
   const double e = rel_err(got, ref);
   std::printf("  moe T=%d E=%d k=%d hidden=%d inter=%d fmt=%d tile=%d: rel err %.3g\n", T, E, k, hidden, inter,

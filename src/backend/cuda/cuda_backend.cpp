@@ -94,6 +94,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_SKINNY")) o.skinny_rows = std::atoi(v);
   if (const char* v = std::getenv("LILY_CUDA_MOE_GROUPED")) o.moe_grouped = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_SHORT_PDL")) o.short_pdl = std::atoi(v) != 0;
+  if (const char* v = std::getenv("LILY_CUDA_FOLD_NORMS")) o.fold_norms = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
@@ -1228,10 +1229,12 @@ struct CudaBackend::Impl {
     marks.mark("start", s);
     launch_embed_rows(embed.v, tokens, T, X, H, s);
     marks.mark("embed", s);
+    bool normed = false;  // Xn already holds this layer's input norm (the previous MoE's combine wrote it)
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerDev& D = layers[l];
       const PrefillLayer& W = pl[l];
-      prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
+      if (!normed) prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
+      normed = false;
       marks.mark("norms", s);
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
@@ -1382,6 +1385,13 @@ struct CudaBackend::Impl {
       m.out = X;
       m.ldo = H;
       m.accumulate = true;
+      if (opt.fold_norms && l + 1 < c.num_layers) {  // the next layer's input norm, by the combine
+        m.norm_w = layers[l + 1].input_norm.as<float>();
+        m.norm_eps = eps;
+        m.norm_out = Xn;
+        m.ld_norm_out = H;
+        normed = true;
+      }
       m.workspace = pMoeWs.get();
       m.workspace_bytes = pMoeWs.bytes();
       prefill_moe(m, s);

@@ -68,6 +68,9 @@ struct CudaOptions {
   bool moe_grouped = true;
   // Such runs' launches with programmatic dependent launch (prefill_set_pdl).
   bool short_pdl = true;
+  // The next layer's input RMSNorm written by the MoE's combine (every
+  // prefill pass) instead of a launch of its own.
+  bool fold_norms = true;
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
@@ -77,7 +80,7 @@ struct CudaOptions {
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
-// LILY_CUDA_SHORT_PDL=0|1.
+// LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1.
 CudaOptions options_from_env();
 
 struct KernelTiming {

@@ -131,6 +131,14 @@ struct PrefillMoeArgs {
   float* out = nullptr;  // f32 [T][ldo]
   size_t ldo = 0;
   bool accumulate = false;  // out += moe(x) (else out = moe(x))
+  // Optional: each finished out row's RMSNorm (weights norm_w [hidden],
+  // norm_eps) as bf16 into norm_out [T][ld_norm_out] by the launch that
+  // writes the row (the next layer's input norm without a launch of its
+  // own). norm_out may be x: it is written after every read of x.
+  const float* norm_w = nullptr;
+  float norm_eps = 0.f;
+  uint16_t* norm_out = nullptr;
+  size_t ld_norm_out = 0;
   int tile_rows = 0;        // rows per grouped-GEMM tile: 64 or 128; 0 = by rows per expert
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

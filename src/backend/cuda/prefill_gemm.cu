@@ -841,6 +841,19 @@ constexpr int kSdWarps = 4;
 // runs as a plain launch (2 rows a lane instead of 4: half the registers).
 constexpr int kOutSwigluPairs = 3;
 constexpr int kSdMaxRows = 16;
+// A grouped (short-run MoE) tile's most rows: 8, so that one n8 half of the
+// MMA takes a tile and the staged rows of a block need half the shared
+// memory of 16 (a run of 9..16 tokens: 3 -> 4 blocks an SM); an expert
+// with more rows takes several tiles, the shared expert ceil(T / 8).
+constexpr int kSdGroupedRows = 8;
+// Experiments: LILY_CUDA_GROUPED_ROWS=16 (the tiles of before, <= T rows).
+int grouped_rows() {
+  static const int rows = [] {
+    const char* v = std::getenv("LILY_CUDA_GROUPED_ROWS");
+    return v && std::atoi(v) == 16 ? 16 : kSdGroupedRows;
+  }();
+  return rows;
+}
 constexpr int kSdMaxParts = 4;
 constexpr int kSdMaxSmem = 200 * 1024;
 
@@ -866,7 +879,8 @@ struct SkinnyParams {
   // sb2) hold expert 0's matrix, expert e's lies e expert strides further;
   // the tile's x rows are x_rows[row0 + r] (null: row0 + r) and its outputs
   // go to rows row0 + r of y. Expert E is the shared expert (sh_*, the
-  // same strides), whose non-SwiGLU outputs go as f32 to row r of y_shared.
+  // same strides), whose non-SwiGLU outputs go as f32 to row (row0 + r -
+  // sh_row0), the token's, of y_shared.
   const int *tile_expert, *tile_row0, *tile_rows, *num_tiles, *x_rows;
   size_t expert_w_bytes, expert_sb_words;
   int E;
@@ -874,6 +888,7 @@ struct SkinnyParams {
   const uint32_t *sh_sb, *sh_sb2;
   float* y_shared;
   size_t ld_shared;
+  int sh_row0;  // the shared expert's first row (token 0) in the plan's rows
 };
 
 GemmParams base_params(const PrefillWeight& w);
@@ -1040,7 +1055,7 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
       } else {
         if (p.out_kind == kOutSwigluPairs) {
           if ((g & 1) == 0) static_cast<uint16_t*>(p.y)[size_t(m0 + tok) * p.ldy + P.col0 + n / 2] = f32_to_bf16_bits(v);
-        } else if (GROUPED && shared_tile) p.y_shared[size_t(tok) * p.ld_shared + n] = v;
+        } else if (GROUPED && shared_tile) p.y_shared[size_t(m0 - p.sh_row0 + tok) * p.ld_shared + n] = v;
         else if (p.out_kind == int(PrefillOut::BF16)) static_cast<uint16_t*>(p.y)[at] = f32_to_bf16_bits(v);
         else if (p.out_kind == int(PrefillOut::F32Add)) static_cast<float*>(p.y)[at] += v;
         else static_cast<float*>(p.y)[at] = v;
@@ -1391,8 +1406,8 @@ __device__ __forceinline__ int moe_scan_tiles(int* s_c, int* s_t, int e, int c, 
 // BM-row tiles as moe_scan_kernel makes them, and the permutation, with the
 // pairs of one expert in (token, slot) order (deterministic; the launches
 // for long prompts place them by atomics). Replaces the memset, route, scan
-// and scatter launches. shared: one more tile, expert E (the shared
-// expert) over every token, its rows after the routed pairs' (bm >= T).
+// and scatter launches. shared: ceil(T / bm) more tiles, expert E (the
+// shared expert) over every token, its rows after the routed pairs'.
 __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, int k, int norm, int bm, int* ids,
                                 float* weights, int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles,
                                 int* perm_row, int* slot_pos, int shared) {
@@ -1417,14 +1432,14 @@ __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, in
   __syncthreads();
   moe_scan_tiles(s_c, s_t, tid, tid < E ? s_c[tid] : 0, E, bm, tile_expert, tile_row0, tile_rows, num_tiles);
   __syncthreads();
-  if (shared) {
-    if (tid == 0) {
-      const int nt = s_t[blockDim.x - 1];
-      tile_expert[nt] = E;
-      tile_row0[nt] = n;
-      tile_rows[nt] = T;
-      *num_tiles = nt + 1;
+  if (shared) {  // the shared expert's tiles of at most bm rows
+    const int nt = s_t[blockDim.x - 1], ns = (T + bm - 1) / bm;
+    if (tid < ns) {
+      tile_expert[nt + tid] = E;
+      tile_row0[nt + tid] = n + tid * bm;
+      tile_rows[nt + tid] = min(bm, T - tid * bm);
     }
+    if (tid == 0) *num_tiles = nt + ns;
     if (tid < T) perm_row[n + tid] = tid;
   }
   // s_c[e] - (count of e) is e's offset: count e among all pairs, then place
@@ -1474,7 +1489,8 @@ __global__ void moe_scatter_kernel(const int* ids, int n, int k, int* cursor, in
 template <bool VEC>
 __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* slot_pos,
                                    const float* weights, int k, const float* shared, size_t ld_shared,
-                                   const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate) {
+                                   const float* sg, size_t ld_sg, float* out, size_t ldo, int accumulate,
+                                   const float* norm_w, float norm_eps, uint16_t* norm_out, size_t ld_norm_out) {
   pdl_wait();
   pdl_launch_dependents();
   const int t = blockIdx.x;
@@ -1487,6 +1503,7 @@ __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* sl
   __syncthreads();
   const float gs = shared ? p_sigmoid(sg[size_t(t) * ld_sg]) : 0.f;
   float* o = out + size_t(t) * ldo;
+  float ss = 0.f;  // the finished row's sum of squares (norm_out)
   const float* sh = shared ? shared + size_t(t) * ld_shared : nullptr;
   if constexpr (VEC) {
     for (int j = threadIdx.x * 8; j < hidden; j += blockDim.x * 8) {
@@ -1516,6 +1533,8 @@ __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* sl
       }
       o4[0] = make_float4(r[0], r[1], r[2], r[3]);
       o4[1] = make_float4(r[4], r[5], r[6], r[7]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss = fmaf(r[i], r[i], ss);
     }
   } else {
     for (int j = threadIdx.x; j < hidden; j += blockDim.x) {
@@ -1526,7 +1545,34 @@ __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* sl
       acc += m;
       if (sh) acc = fmaf(gs, sh[j], acc);
       o[j] = acc;
+      ss = fmaf(acc, acc, ss);
     }
+  }
+  if (!norm_out) return;
+  // The finished row's RMSNorm (the next layer's input norm): the block's sum
+  // of squares in a fixed order, then the row again (this thread's own
+  // stores) scaled.
+  __shared__ float red[32];
+  ss = p_warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
+    v = p_warp_sum(v);
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float inv = 1.f / sqrtf(red[0] / float(hidden) + norm_eps);
+  uint16_t* d = norm_out + size_t(t) * ld_norm_out;
+  if constexpr (VEC) {
+    for (int j = threadIdx.x * 8; j < hidden; j += blockDim.x * 8) {
+      const float4 a0 = reinterpret_cast<const float4*>(o + j)[0], a1 = reinterpret_cast<const float4*>(o + j)[1];
+      const float v[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d[j + i] = f32_to_bf16_bits(v[i] * inv * norm_w[j + i]);
+    }
+  } else {
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) d[j] = f32_to_bf16_bits(o[j] * inv * norm_w[j]);
   }
 }
 
@@ -1539,8 +1585,8 @@ struct MoeLayout {
 MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
   MoeLayout L{};
   const size_t n = size_t(T) * k;
-  // Worst case over BM in {16, 64, 128}, and the shared expert's tile.
-  L.max_tiles = int(n / kSkRows + std::min<size_t>(E, n) + 2);
+  // Worst case over BM in {8, 16, 64, 128}, and the shared expert's tiles.
+  L.max_tiles = int(n / kSdGroupedRows + std::min<size_t>(E, n) + 1 + (T + kSdGroupedRows - 1) / kSdGroupedRows);
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -1753,7 +1799,7 @@ void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const
   }
   g.nparts = 1;
   g.K = a.hidden;
-  g.M = a.T;
+  g.M = std::min(a.T, grouped_rows());  // a tile's most rows
   g.x = a.x;
   g.ldx = a.ldx;
   g.y = h;
@@ -1792,6 +1838,7 @@ void run_moe_grouped(const PrefillMoeArgs& a, bool fuse_sh, int max_tiles, const
     d.sh_sb = base_params(a.sh_down).sb;
     d.y_shared = const_cast<float*>(a.shared_out);
     d.ld_shared = a.ld_shared;
+    d.sh_row0 = a.T * a.k;
   }
   launch_skinny_grouped<false>(d, max_tiles, stream);
 }
@@ -1817,6 +1864,8 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   if (a.inter % 8 != 0) fail("prefill_moe: intermediate size must be a multiple of 8");
   validate_x(a.x, a.ldx, a.hidden, "prefill_moe");
   if (!a.router_logits || !a.out) fail("prefill_moe: router logits or output pointer is null");
+  if (a.norm_out && (!a.norm_w || a.ld_norm_out < size_t(a.hidden)))
+    fail("prefill_moe: the output norm needs its weights and a row stride of at least ", a.hidden);
   const MoeLayout L = moe_layout(a.T, a.E, a.k, a.hidden, a.inter);
   if (!a.workspace || a.workspace_bytes < L.total)
     fail("prefill_moe: workspace of ", a.workspace_bytes, " bytes is below the ", L.total, " needed");
@@ -1875,11 +1924,12 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   const bool fuse_sh = grouped && has_sh && same_layout(a.sh_gate, a.gate) && same_layout(a.sh_up, a.up) &&
                        same_layout(a.sh_down, a.down);
   const int rows_per_expert = n / a.E;
-  const int bm = a.tile_rows                                         ? a.tile_rows
-                 : grouped || (skinny_ok && rows_per_expert <= 16) ? kSkRows
-                 : rows_per_expert >= 32                             ? 128
-                                                                     : 64;
-  const int max_tiles = n / bm + std::min(a.E, n) + (fuse_sh ? 2 : 1);
+  const int bm = a.tile_rows                                  ? a.tile_rows
+                 : grouped                                   ? grouped_rows()
+                 : skinny_ok && rows_per_expert <= 16        ? kSkRows
+                 : rows_per_expert >= 32                     ? 128
+                                                             : 64;
+  const int max_tiles = n / bm + std::min(a.E, n) + (fuse_sh ? 1 + (a.T + bm - 1) / bm : 1);
 
   mark(0);
   if (has_sh && !fuse_sh) {  // the shared expert on its own launches, into shared_out
@@ -1950,7 +2000,8 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   launch_kernel("moe_combine_kernel", vec ? moe_combine_kernel<true> : moe_combine_kernel<false>, dim3(a.T), dim3(256),
                 0, stream, prefill_pdl(a.T), static_cast<const uint16_t*>(yp), a.hidden,
                 static_cast<const int*>(slot_pos), static_cast<const float*>(weights), a.k, a.shared_out, a.ld_shared,
-                a.shared_gate_logit, a.ld_shared_gate, a.out, a.ldo, a.accumulate ? 1 : 0);
+                a.shared_gate_logit, a.ld_shared_gate, a.out, a.ldo, a.accumulate ? 1 : 0, a.norm_w, a.norm_eps,
+                a.norm_out, a.ld_norm_out);
   mark(4);
 }
 
