@@ -471,7 +471,9 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
                         {4, 70, 64, PrefillOut::F32, false},     {11, 90, 192, PrefillOut::F32Add, true},
                         {5, 33, 128, PrefillOut::BF16, false},
                         // >= 2 blocks per SM of 64 rows: each warp over all of K (the others split K in 4)
-                        {3, 17000, 256, PrefillOut::F32, false}, {10, 16900, 512, PrefillOut::BF16, true}};
+                        {3, 17000, 256, PrefillOut::F32, false}, {10, 16900, 512, PrefillOut::BF16, true},
+                        // a grid of 16-row blocks over one wave (Qwen3.6's in_proj): K over 2 warps
+                        {2, 12352, 2048, PrefillOut::F32, false}, {16, 12352, 2048, PrefillOut::F32Add, false}};
   uint64_t seed = 400;
   for (const Case& c : cases) run_gemm_case(PrefillWeightFormat::Q4, c.T, c.N, c.K, c.out, c.f16, seed++);
   // q8 codes (16 bytes a lane per group): the router's shape, tails, f16 scales.
@@ -485,10 +487,10 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
   run_gemm_case(PrefillWeightFormat::Q4, 16, 130, 320, PrefillOut::F32Add, false, 421);
   prefill_set_skinny_rows(16);
 
-  // A row's outputs are the same bits in a run of 5 and of 12 (one and two n8 halves).
-  {
+  // A row's outputs are the same bits in a run of 5 and of 12 (one and two
+  // n8 halves), also where the split of K follows from the waves.
+  for (const auto& [N, K] : {std::pair{150, 1024}, std::pair{12352, 2048}}) {
     Rng r(430);
-    const int N = 150, K = 1024;
     HostWeight hw = make_weight(r, PrefillWeightFormat::Q4, N, K);
     DevWeight dw = upload_weight(hw);
     std::vector<uint16_t> xb;

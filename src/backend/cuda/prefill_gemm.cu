@@ -21,6 +21,8 @@
 // MMA's A operand, expanded in registers; see moe_skinny_kernel).
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "backend/cuda/prefill_common.cuh"
@@ -829,7 +831,8 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // two blocks per SM that way (out_proj, o_proj, the shared expert, the
 // router: 5 to 32 blocks) takes KS = 4: the 4 warps take one 16-row tile
 // over a quarter of K each and add their sums through shared memory in warp
-// order, 4x the blocks. SwiGLU: 16 outputs a warp tile (their gate and up
+// order, 4x the blocks; KS = 2 where those would not all be resident at
+// once for a run of 16 (the in_proj's 772: a second, partial wave). SwiGLU: 16 outputs a warp tile (their gate and up
 // rows). Several matrices of the same input (a DeltaNet layer's qkv / z /
 // b / a) run as parts of one launch, each into its own output columns. KS
 // follows from the shapes alone and every output is summed in a fixed
@@ -889,7 +892,29 @@ struct SkinnyParams {
   float* y_shared;
   size_t ld_shared;
   int sh_row0;  // the shared expert's first row (token 0) in the plan's rows
+  int l2_fetch;  // the weight loads' L2 prefetch size: 0 the default, 1 128 bytes, 2 256 bytes
 };
+
+// A weight load with an L2 prefetch size (SkinnyParams::l2_fetch): a quad
+// reads 64 bytes of a row per unit, half an L2 line; the hint has the L2
+// fetch the whole line (or two) from DRAM at once.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, int l2_fetch) {
+  uint4 r;
+  if (l2_fetch == 2)
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else if (l2_fetch == 1)
+    asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    r = __ldg(p);
+  return r;
+}
+__device__ __forceinline__ uint32_t ld_weights(const uint32_t* p, int l2_fetch) {
+  uint32_t r;
+  if (l2_fetch == 2) asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  else if (l2_fetch == 1) asm("ld.global.nc.L2::128B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  else r = __ldg(p);
+  return r;
+}
 
 GemmParams base_params(const PrefillWeight& w);
 
@@ -963,8 +988,9 @@ __global__ void __launch_bounds__(kSdWarps * 32) gemm_skinny_kernel(const __grid
   auto load_group = [&](int u, uint4 (&c)[R], uint32_t (&sb)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      c[i] = rok[i] && u < kend ? __ldg(reinterpret_cast<const uint4*>(wrow[i] + size_t(u) * 64)) : uint4{};
-      sb[i] = rok[i] && u < kend ? __ldg(srow[i] + u * (BITS == 4 ? 2 : 1)) : 0u;
+      c[i] = rok[i] && u < kend ? ld_weights(reinterpret_cast<const uint4*>(wrow[i] + size_t(u) * 64), p.l2_fetch)
+                                : uint4{};
+      sb[i] = rok[i] && u < kend ? ld_weights(srow[i] + u * (BITS == 4 ? 2 : 1), p.l2_fetch) : 0u;
     }
   };
 #pragma unroll
@@ -1080,8 +1106,23 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
   return SkinnyPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, w.rows, col0, b.sb_f16, block0};
 }
 
+// SkinnyParams::l2_fetch: 256 bytes (LILY_CUDA_SKINNY_L2=0|1|2 for
+// experiments). Runs of 2..16 tokens 3-8% shorter with one wave below
+// (H100, docs/cuda-prefill.md "Short runs, round 3").
+int skinny_l2_fetch() {
+  static const int v = [] {
+    const char* e = std::getenv("LILY_CUDA_SKINNY_L2");
+    const int f = e ? std::atoi(e) : 2;
+    return f == 1 || f == 2 ? f : 0;
+  }();
+  return v;
+}
+
+// occ: instead of launching, the blocks of this launch one SM holds.
 template <int NT, int RING, bool SWIGLU, int BITS, int KS, bool GROUPED>
-void launch_skinny_t(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
+void launch_skinny_t(const SkinnyParams& p0, dim3 blocks, cudaStream_t s, int* occ) {
+  SkinnyParams p = p0;
+  p.l2_fetch = skinny_l2_fetch();
   auto kernel = gemm_skinny_kernel<NT, RING, SWIGLU, BITS, KS, GROUPED>;
   static const bool attr_ok = [&] {
     check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSdMaxSmem),
@@ -1089,12 +1130,26 @@ void launch_skinny_t(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
     return true;
   }();
   (void)attr_ok;
-  launch_kernel("prefill skinny GEMM", kernel, blocks, dim3(kSdWarps * 32), skinny_smem_bytes(p.M, p.K), s,
-                prefill_pdl(p.M), p);
+  const size_t smem = skinny_smem_bytes(p.M, p.K);
+  if (occ) {
+    static std::mutex mu;
+    static std::map<size_t, int> cache;  // by shared memory bytes
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(smem);
+    if (it == cache.end()) {
+      int n = 0;
+      check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kSdWarps * 32, smem),
+            "cudaOccupancyMaxActiveBlocksPerMultiprocessor(prefill skinny GEMM)");
+      it = cache.emplace(smem, n).first;
+    }
+    *occ = it->second;
+    return;
+  }
+  launch_kernel("prefill skinny GEMM", kernel, blocks, dim3(kSdWarps * 32), smem, s, prefill_pdl(p.M), p);
 }
 
 template <bool SWIGLU, int BITS, int KS, bool GROUPED = false>
-void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
+void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s, int* occ = nullptr) {
   if (blocks.x > 2147483647u / 2) fail("prefill skinny GEMM: too many output rows");
   // The ring: the most units (64 code bytes a row; up to 8, 4 for SwiGLU
   // (4 rows of 16 bytes a lane) and for q4 (two groups a unit)) that divide
@@ -1104,10 +1159,10 @@ void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s) {
   constexpr int kMaxRing = SWIGLU || BITS == 4 ? 4 : 8;
   auto go = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
-    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
-    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
-    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
-    else launch_skinny_t<NT, 1, SWIGLU, BITS, KS, GROUPED>(p, blocks, s);
+    if (KG % 8 == 0 && kMaxRing == 8) launch_skinny_t<NT, kMaxRing, SWIGLU, BITS, KS, GROUPED>(p, blocks, s, occ);
+    else if (KG % 4 == 0) launch_skinny_t<NT, 4, SWIGLU, BITS, KS, GROUPED>(p, blocks, s, occ);
+    else if (KG % 2 == 0) launch_skinny_t<NT, 2, SWIGLU, BITS, KS, GROUPED>(p, blocks, s, occ);
+    else launch_skinny_t<NT, 1, SWIGLU, BITS, KS, GROUPED>(p, blocks, s, occ);
   };
   if (p.M <= 8) go(std::integral_constant<int, 1>{});
   else go(std::integral_constant<int, 2>{});
@@ -1147,6 +1202,26 @@ void plan_and_launch_skinny(SkinnyParams& p, PrefillWeightFormat fmt, cudaStream
   // T = 2 against 121 (H100, ncu).
   const int KU = p.K / (q4 ? 128 : 64);
   int ks = blocks_for(16 * kSdWarps) < 2 * sm_count() && KU % kSdWarps == 0 ? kSdWarps : 1;
+  static const bool one_wave = [] {  // LILY_CUDA_SKINNY_WAVE=0: KS = 4 whatever the waves (experiments)
+    const char* v = std::getenv("LILY_CUDA_SKINNY_WAVE");
+    return !v || std::atoi(v) != 0;
+  }();
+  if (one_wave && ks == kSdWarps) {
+    // The most warps over K whose grid is one wave of resident blocks (a
+    // second, partial wave costs a whole block's time), judged for a run of
+    // the most rows (the fewest blocks an SM holds) so that the split, and
+    // with it a row's sums, does not depend on the run's length.
+    SkinnyParams q = p;
+    q.M = kSdMaxRows;
+    auto resident = [&](int f) {
+      int occ = 0;
+      const dim3 g(blocks_for(16 * (kSdWarps / f)));
+      if (f == 4) q4 ? launch_skinny<SWIGLU, 4, 4>(q, g, s, &occ) : launch_skinny<SWIGLU, 8, 4>(q, g, s, &occ);
+      else q4 ? launch_skinny<SWIGLU, 4, 2>(q, g, s, &occ) : launch_skinny<SWIGLU, 8, 2>(q, g, s, &occ);
+      return size_t(g.x) <= size_t(occ) * sm_count();
+    };
+    if (!resident(4)) ks = KU % 2 == 0 && resident(2) ? 2 : 1;
+  }
   if (const int f = skinny_ks_override(false); f && KU % f == 0) ks = f;
   const dim3 grid(blocks_for(16 * (kSdWarps / ks)));
   if (ks == 4) q4 ? launch_skinny<SWIGLU, 4, 4>(p, grid, s) : launch_skinny<SWIGLU, 8, 4>(p, grid, s);
