@@ -832,10 +832,11 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // router: 5 to 32 blocks) takes KS = 4: the 4 warps take one 16-row tile
 // over a quarter of K each and add their sums through shared memory in warp
 // order, 4x the blocks; KS = 2 where those would not all be resident at
-// once for a run of 16 (the in_proj's 772: a second, partial wave). SwiGLU: 16 outputs a warp tile (their gate and up
-// rows). Several matrices of the same input (a DeltaNet layer's qkv / z /
-// b / a) run as parts of one launch, each into its own output columns. KS
-// follows from the shapes alone and every output is summed in a fixed
+// once for a run of 16 (the in_proj's 772: a second, partial wave).
+// SwiGLU: 16 outputs a warp tile (their gate and up rows). Several
+// matrices of the same input (a DeltaNet layer's qkv / z / b / a) run as
+// parts of one launch, each into its own output columns. KS follows from
+// the shapes alone and every output is summed in a fixed
 // order and written once, so a row's result does not depend on T.
 constexpr int kSdWarps = 4;
 // SkinnyParams::out_kind past PrefillOut's: the matrix is gate / up rows
