@@ -139,6 +139,16 @@ __device__ __forceinline__ float p_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+// Sum over the block in a fixed order (warps, then their sums by one
+// warp's shuffles); every thread gets it. scratch: >= 32 floats.
+__device__ __forceinline__ float p_block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = p_warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return p_warp_sum(lane < nw ? scratch[lane] : 0.f);
+}
 __device__ __forceinline__ float p_warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -667,7 +667,7 @@ __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n
   pdl_wait();
   pdl_launch_dependents();
   __shared__ float red[32];
-  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x;
   const float* src = x + size_t(t) * ldx;
   float ss = 0.f, xv[kNormCache];
 #pragma unroll
@@ -677,16 +677,7 @@ __global__ void rmsnorm_kernel(const float* x, size_t ldx, const float* w, int n
     if (i < n) ss = fmaf(xv[k], xv[k], ss);
   }
   for (int i = threadIdx.x + kNormCache * blockDim.x; i < n; i += blockDim.x) ss = fmaf(src[i], src[i], ss);
-  ss = p_warp_sum(ss);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  if (warp == 0) {
-    float v = lane < int(blockDim.x >> 5) ? red[lane] : 0.f;
-    v = p_warp_sum(v);
-    if (lane == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float inv = 1.f / sqrtf(red[0] / float(n) + eps);
+  const float inv = 1.f / sqrtf(p_block_sum(ss, red) / float(n) + eps);
 #pragma unroll
   for (int k = 0; k < kNormCache; ++k) {
     const int i = threadIdx.x + k * blockDim.x;

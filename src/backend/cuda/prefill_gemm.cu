@@ -1629,16 +1629,7 @@ __global__ void moe_combine_kernel(const uint16_t* yp, int hidden, const int* sl
   // of squares in a fixed order, then the row again (this thread's own
   // stores) scaled.
   __shared__ float red[32];
-  ss = p_warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.f;
-    v = p_warp_sum(v);
-    if (threadIdx.x == 0) red[0] = v;
-  }
-  __syncthreads();
-  const float inv = 1.f / sqrtf(red[0] / float(hidden) + norm_eps);
+  const float inv = 1.f / sqrtf(p_block_sum(ss, red) / float(hidden) + norm_eps);
   uint16_t* d = norm_out + size_t(t) * ld_norm_out;
   if constexpr (VEC) {
     for (int j = threadIdx.x * 8; j < hidden; j += blockDim.x * 8) {
