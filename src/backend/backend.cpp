@@ -60,6 +60,12 @@ void Backend::accept_draft(SequenceCache& cache, int n) {
           scratch.data());
 }
 
+bool Backend::can_sample(const TokenSampling&) const { return false; }
+
+int Backend::forward_sample(SequenceCache&, int, const TokenSampling&, bool&) {
+  fail("internal: the ", name(), " backend does not sample on its own (can_sample is false)");
+}
+
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
 namespace {

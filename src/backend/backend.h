@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/sampling.h"
 #include "model/weights.h"
 
 namespace lily {
@@ -88,6 +89,15 @@ class Backend {
   // this many tokens minus one): 1 where a few-token forward costs far
   // more than a decode step, so that drafting cannot pay.
   virtual int max_draft_run() const { return 1; }
+
+  // A decode step of `token` that also picks the next token on the backend
+  // from the step's own logits (backend/sampling.h): only the id comes
+  // back. `drew` tells whether the draw s.u was used (sampling with a
+  // finite best logit), as engine::Sampler would have drawn. can_sample
+  // says whether this backend takes `s` at all; the default takes nothing
+  // and forward_sample fails.
+  virtual bool can_sample(const TokenSampling& s) const;
+  virtual int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew);
 
  protected:
   // For overrides: checks a forward_draft / accept_draft call and records

@@ -243,6 +243,19 @@ class Generator::Speculation {
     return true;
   }
 
+  // A plain step whose next token the backend chooses (Sampler's
+  // backend_request r): timed as plain steps are.
+  int sampled_step(int id, TokenSampling& r, Sampler& sampler) {
+    const auto t = Clock::now();
+    sampler.backend_draw(r);
+    bool drew = false;
+    const int next = g_.seq_.append_sample(id, r, drew);
+    sampler.backend_done(drew);
+    const double s = seconds_between(t, Clock::now());
+    step_s_ = step_s_ <= 0 ? s : 0.8 * step_s_ + 0.2 * s;
+    return next;
+  }
+
   std::vector<float> plain_step(int id) {
     const auto t = Clock::now();
     std::vector<float> out = g_.seq_.append(std::span<const int>(&id, 1));
@@ -365,10 +378,15 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     }
   };
 
+  // The next token when the backend chose it with the step (no logits came
+  // back): only where nothing needs the row itself (no logprobs, no grammar
+  // mask at that token).
+  std::optional<int> next_id;
+  const bool backend_picks = backend_sampling && params.top_logprobs < 0;
   Clock::time_point t_first{};
   for (;;) {
     std::span<const float> pick_from = logits;
-    if (gate == Gate::Active) {
+    if (!next_id && gate == Gate::Active) {
       matcher->allowed_tokens(*trie_, allowed);
       const bool can_end = matcher->accepting();
       masked.assign(logits.size(), -std::numeric_limits<float>::infinity());
@@ -384,7 +402,8 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
         if ((can_end || !any) && s >= 0 && static_cast<size_t>(s) < logits.size()) masked[static_cast<size_t>(s)] = logits[static_cast<size_t>(s)];
       pick_from = masked;
     }
-    const int id = sampler.sample(pick_from, history, prompt.size());
+    const int id = next_id ? *next_id : sampler.sample(pick_from, history, prompt.size());
+    next_id.reset();
     if (gate != Gate::Off) {
       std::string_view bytes = tokenizer_->token_bytes(id);
       if (gate == Gate::Active) {
@@ -452,8 +471,12 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       continue;
     }
     spec.settle(res);
+    std::optional<TokenSampling> request;
     if (spec.start(id, history, res.completion_tokens, buf)) {
       logits = std::span<const float>(buf).first(V);
+    } else if (backend_picks && gate != Gate::Active &&
+               (request = sampler.backend_request(history, prompt.size(), V)) && backend_.can_sample(*request)) {
+      next_id = spec.sampled_step(id, *request, sampler);
     } else {
       buf = spec.plain_step(id);
       logits = buf;

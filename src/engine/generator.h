@@ -143,6 +143,11 @@ class Generator {
   // draft when a draft is found, for tests).
   int speculative_tokens = 0;
   bool speculative_adaptive = true;
+  // Whether a decode step's next token may be chosen by the backend itself
+  // (Backend::can_sample: the same pipeline and draw as engine::Sampler,
+  // without the row of logits coming back), where the request needs no
+  // logprobs and no grammar mask at that token. Off: always on the host.
+  bool backend_sampling = true;
   // Limits of the prefix cache (default 1 GiB, 32 entries; 0 bytes or
   // entries: only the live sequence is reused).
   void set_prefix_cache(size_t budget_bytes, int max_entries) { cache_.configure(budget_bytes, max_entries); }

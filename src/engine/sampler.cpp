@@ -152,10 +152,82 @@ void Sampler::apply_penalties(std::span<const int> history, size_t prompt_len) {
       size_t j = i;
       while (j < ids.size() && ids[j] == ids[i]) ++j;
       const float count = static_cast<float>(j - i);
-      work_[ids[i]] -= params_.frequency_penalty * count + params_.presence_penalty;
+      work_[ids[i]] -= penalty_sub(count);
       i = j;
     }
   }
+}
+
+float Sampler::penalty_sub(float count) const {
+  return params_.frequency_penalty * count + params_.presence_penalty;
+}
+
+std::optional<TokenSampling> Sampler::backend_request(std::span<const int> history, size_t prompt_len,
+                                                      size_t vocab) {
+  const SamplingParams& p = params_;
+  if (!p.greedy() && (p.top_k <= 0 || p.top_k > kMaxBackendTopK || static_cast<size_t>(p.top_k) >= vocab))
+    return std::nullopt;
+  TokenSampling r;
+  r.temperature = p.temperature;
+  r.top_k = p.greedy() ? 1 : p.top_k;
+  r.top_p = p.top_p;
+  r.min_p = p.min_p;
+  r.rep_penalty = p.repetition_penalty;
+  // Each listed id once, ascending, with what sample() does to its logit in
+  // sample()'s order: the bias, the repetition penalty, then the others.
+  std::vector<LogitAdjust>& a = r.adjust;
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (static_cast<size_t>(id) >= vocab)
+      fail("Sampler: logit_bias token id ", id, " is outside the vocabulary of ", vocab);
+    a.push_back({id, LogitAdjust::kBias, bias, 0.f});
+  }
+  auto check = [&](int t) {
+    if (t < 0 || static_cast<size_t>(t) >= vocab)
+      fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab);
+  };
+  if (p.repetition_penalty != 1.0f)
+    for (int t : history) {
+      check(t);
+      a.push_back({t, LogitAdjust::kRep, 0.f, 0.f});
+    }
+  std::vector<int>& ids = counts_scratch_;
+  ids.clear();
+  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+    auto generated = history.subspan(std::min(prompt_len, history.size()));
+    ids.assign(generated.begin(), generated.end());
+    std::sort(ids.begin(), ids.end());
+    for (size_t i = 0; i < ids.size();) {
+      size_t j = i;
+      while (j < ids.size() && ids[j] == ids[i]) ++j;
+      check(ids[i]);
+      a.push_back({ids[i], LogitAdjust::kSub, 0.f, penalty_sub(static_cast<float>(j - i))});
+      i = j;
+    }
+  }
+  // Merge the entries of one id (stable: bias, then rep, then sub).
+  std::stable_sort(a.begin(), a.end(), [](const LogitAdjust& x, const LogitAdjust& y) { return x.id < y.id; });
+  size_t out = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (out > 0 && a[out - 1].id == a[i].id) {
+      LogitAdjust& m = a[out - 1];
+      m.ops |= a[i].ops;
+      if (a[i].ops & LogitAdjust::kBias) m.bias = a[i].bias;
+      if (a[i].ops & LogitAdjust::kSub) m.sub = a[i].sub;
+    } else {
+      a[out++] = a[i];
+    }
+  }
+  a.resize(out);
+  return r;
+}
+
+void Sampler::backend_draw(TokenSampling& r) {
+  rng_before_draw_ = rng_;
+  r.u = params_.greedy() ? 0.0 : uniform();
+}
+
+void Sampler::backend_done(bool drew) {
+  if (!drew && !params_.greedy()) rng_ = rng_before_draw_;
 }
 
 void Sampler::select_top(size_t n) {

@@ -50,6 +50,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/sampling.h"
+
 namespace lily::engine {
 
 struct SamplingParams {
@@ -97,14 +99,32 @@ class Sampler {
 
   const SamplingParams& params() const { return params_; }
 
+  // The same choice made by the backend from its own logits
+  // (Backend::forward_sample; backend/sampling.h): the request for this
+  // history, the adjustments folded from logit_bias and the penalties in
+  // sample()'s arithmetic. nullopt where the backend's pipeline does not
+  // cover the parameters (sampling without top_k, or top_k above
+  // kMaxBackendTopK or not below the vocabulary). Fails as sample() would
+  // on a logit_bias id outside the vocabulary.
+  std::optional<TokenSampling> backend_request(std::span<const int> history, size_t prompt_len,
+                                               size_t vocab);
+  // Puts the sample's draw into r.u (sampling; greedy draws nothing), then,
+  // once the backend has chosen, backend_done gives the draw back if the
+  // backend did not use it (a sample() that returns before drawing).
+  void backend_draw(TokenSampling& r);
+  void backend_done(bool drew);
+
  private:
   void apply_penalties(std::span<const int> history, size_t prompt_len);
+  // What frequency and presence penalties take off a logit seen `count` times.
+  float penalty_sub(float count) const;
   // order_ = the n most likely tokens of work_, most likely first.
   void select_top(size_t n);
   double uniform();
 
   SamplingParams params_;
   std::mt19937_64 rng_;
+  std::mt19937_64 rng_before_draw_;  // backend_draw's state, for backend_done
   std::vector<float> work_;
   std::vector<int> order_;
   std::vector<double> weights_;

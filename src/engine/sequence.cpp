@@ -38,6 +38,13 @@ std::vector<float> Sequence::append(std::span<const int> tokens, LogitsMode mode
   return logits;
 }
 
+int Sequence::append_sample(int token, const TokenSampling& s, bool& drew) {
+  check_append(std::span<const int>(&token, 1));
+  const int id = backend_.forward_sample(*cache_, token, s, drew);
+  tokens_.push_back(token);
+  return id;
+}
+
 std::vector<float> Sequence::append_draft(std::span<const int> tokens) {
   check_append(tokens);
   std::vector<float> logits(tokens.size() * static_cast<size_t>(backend_.config().vocab_size));

@@ -27,6 +27,11 @@ class Sequence {
   // last row only).
   std::vector<float> append(std::span<const int> tokens, LogitsMode mode = LogitsMode::LastOnly);
 
+  // Runs one token through the model and has the backend choose the next
+  // one from the step's logits (Backend::forward_sample: no logits come
+  // back); `drew` as there.
+  int append_sample(int token, const TokenSampling& s, bool& drew);
+
   // Speculative verification: runs `tokens` (the next token and drafted
   // ones after it) and returns a row of logits per token; accept_draft(n)
   // then keeps the first n of them (1 <= n <= tokens.size()). In between,

@@ -286,6 +286,10 @@ struct CudaBackend::Impl {
       part_ml, counters;
   int num_counters = 0;
   PinnedBuffer pinned;
+  // forward_sample: the adjustments' device copy, the candidates, the
+  // result, and their pinned staging (adjustments up, 2 ints back).
+  DeviceBuffer s_adjust, s_cand, s_out;
+  PinnedBuffer s_pinned;
   size_t weight_bytes = 0;
 
   // Prefill: the prefill kernels' views of the uploaded weights (no copies).
@@ -1584,6 +1588,65 @@ void CudaBackend::forward(SequenceCache& base, std::span<const int> tokens, Logi
   }
   LILY_CUDA(cudaStreamSynchronize(m.stream));
   cache.advance(T);
+}
+
+bool CudaBackend::can_sample(const TokenSampling& s) const {
+  const int V = impl_->c.vocab_size;
+  if (s.temperature == 0.f) return true;
+  return s.temperature > 0.f && s.top_k >= 1 && s.top_k <= kMaxBackendTopK && s.top_k < V;
+}
+
+int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampling& s, bool& drew) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  const int V = m.c.vocab_size;
+  if (!can_sample(s)) fail("internal: forward_sample with sampling the cuda backend does not take");
+  if (token < 0 || token >= V) fail("token id ", token, " is outside the vocabulary [0, ", V, ")");
+  for (size_t i = 0; i < s.adjust.size(); ++i)
+    if (s.adjust[i].id < 0 || s.adjust[i].id >= V || (i > 0 && s.adjust[i].id <= s.adjust[i - 1].id))
+      fail("internal: forward_sample adjustments must be distinct ascending ids inside the vocabulary");
+  LILY_CUDA(cudaStreamSynchronize(m.stream));  // earlier copies may still read the pinned staging
+  m.ensure_capacity(cache, cache.n_past() + 1);
+  m.ensure_graph(cache);
+  const int kc = s.temperature == 0.f ? 1 : s.top_k;
+  const size_t na = s.adjust.size(), adjust_bytes = na * sizeof(LogitAdjust);
+  m.pinned.ensure(16);
+  m.pinned.as<int>()[0] = token;
+  m.s_pinned.ensure(adjust_bytes + 16);
+  if (na) {
+    std::memcpy(m.s_pinned.as<char>() + 16, s.adjust.data(), adjust_bytes);
+    if (m.s_adjust.bytes() < adjust_bytes) m.s_adjust.alloc(adjust_bytes);
+    LILY_CUDA(cudaMemcpyAsync(m.s_adjust.get(), m.s_pinned.as<char>() + 16, adjust_bytes, cudaMemcpyHostToDevice,
+                              m.stream));
+  }
+  const size_t ws = cuda::sample_workspace_bytes(V, kc);
+  if (m.s_cand.bytes() < ws) m.s_cand.alloc(ws);
+  if (!m.s_out.get()) m.s_out.alloc(16);
+  DecodeCtrl* ctrl = cache.dctrl();
+  LILY_CUDA(cudaMemsetAsync(&ctrl->use_argmax, 0, sizeof(int), m.stream));
+  LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
+  m.run_step(cache);
+  cuda::SampleArgs a;
+  a.logits = m.logits.as<float>();
+  a.V = V;
+  a.adjust = na ? m.s_adjust.as<LogitAdjust>() : nullptr;
+  a.n_adjust = static_cast<int>(na);
+  a.rep_penalty = s.rep_penalty;
+  a.kc = kc;
+  a.temperature = s.temperature;
+  a.top_p = s.top_p;
+  a.min_p = s.min_p;
+  a.u = s.u;
+  a.cand = m.s_cand.as<uint64_t>();
+  a.out = m.s_out.as<int>();
+  cuda::launch_sample(a, m.stream);
+  int* res = m.s_pinned.as<int>();
+  LILY_CUDA(cudaMemcpyAsync(res, m.s_out.get(), 2 * sizeof(int), cudaMemcpyDeviceToHost, m.stream));
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  cache.advance(1);
+  if (res[1] & 2) fail("Sampler: no token has a finite logit");
+  drew = (res[1] & 1) != 0;
+  return res[0];
 }
 
 void CudaBackend::copy_cache(const SequenceCache& src_base, SequenceCache& dst_base) {

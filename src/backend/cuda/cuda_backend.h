@@ -127,6 +127,10 @@ class CudaBackend : public Backend {
   void forward_draft(SequenceCache& cache, std::span<const int> tokens, float* logits) override;
   void accept_draft(SequenceCache& cache, int n) override;
   int max_draft_run() const override;
+  // Greedy or top-k (<= kMaxBackendTopK) sampling after the step's graph:
+  // two launches (sample.cu), 8 bytes back.
+  bool can_sample(const TokenSampling& s) const override;
+  int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew) override;
   static constexpr int kMaxDraftRun = 16;
 
   // ---- benchmark hooks ----

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "backend/cuda/kv_type.h"
+#include "backend/sampling.h"
 
 namespace lily::cuda {
 
@@ -422,6 +423,22 @@ void launch_resident_probe(const float* x, float* y, const uint4* w, const float
                            int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
 double measure_sm_clock_mhz(cudaStream_t s);
+
+// ---- On-device sampling (sample.cu; the pipeline: backend/sampling.h) --------
+struct SampleArgs {
+  const float* logits = nullptr;  // the row, V logits
+  int V = 0;
+  const LogitAdjust* adjust = nullptr;  // device copy, ascending ids
+  int n_adjust = 0;
+  float rep_penalty = 1.f;
+  int kc = 1;  // top_k, or 1 when greedy
+  float temperature = 0.f, top_p = 1.f, min_p = 0.f;
+  double u = 0.0;
+  uint64_t* cand = nullptr;  // workspace: sample_workspace_bytes(V, kc)
+  int* out = nullptr;        // [0] the token, [1] 1: the draw was used, 2: no finite logit
+};
+size_t sample_workspace_bytes(int V, int kc);
+void launch_sample(const SampleArgs& a, cudaStream_t s);
 
 // ---- Random fills for synthetic models and benchmark caches ------------------
 void fill_random_u32(uint32_t* p, size_t n, uint64_t seed, cudaStream_t s);

@@ -1,0 +1,48 @@
+// Choosing the next token on the backend, from a decode step's own logits
+// (Backend::forward_sample): nothing but the token id comes back to the
+// host, where engine::Sampler (engine/sampler.h) would first copy the whole
+// row (a vocabulary of 248,320 logits is ~1 MB a token). The pipeline is the
+// Sampler's, for the cases a backend takes:
+//   work = logits (NaN as -inf), then per listed id (ascending ids):
+//     += bias, then (rep) work > 0 ? work / rep_penalty : work * rep_penalty,
+//     then -= sub   (the caller folds logit_bias, the repetition penalty and
+//                    frequency / presence penalties into these, computing sub
+//                    in the Sampler's float arithmetic);
+//   greedy (temperature 0): argmax, lowest id on ties;
+//   else the top_k (1 <= top_k < vocabulary) highest, most likely first
+//   (lower id first on ties), weights exp((work - max) / temperature) in
+//   double, top_p over them in that order, then min_p, then the draw u in
+//   [0, 1) walked in the same order: the Sampler's "listed" path step for
+//   step, so the same draw picks the same token (up to last-bit
+//   differences between the two exp implementations).
+// Plain structs: included by the CUDA sources (C++17) as well.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace lily {
+
+struct LogitAdjust {
+  enum : uint32_t { kBias = 1, kRep = 2, kSub = 4 };
+  int32_t id = 0;
+  uint32_t ops = 0;  // kBias | kRep | kSub
+  float bias = 0.f;
+  float sub = 0.f;
+};
+
+struct TokenSampling {
+  float temperature = 0.f;  // 0: greedy
+  int top_k = 1;            // sampling: 1 <= top_k < vocabulary (greedy ignores it)
+  float top_p = 1.f;
+  float min_p = 0.f;
+  float rep_penalty = 1.f;  // for the kRep entries
+  std::vector<LogitAdjust> adjust;  // ascending ids, each at most once
+  double u = 0.0;                   // the draw (sampling only)
+};
+
+// The longest top_k a backend's sampler must take (engine requests above it
+// stay on the host).
+constexpr int kMaxBackendTopK = 128;
+
+}  // namespace lily

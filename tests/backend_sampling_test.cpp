@@ -1,0 +1,261 @@
+// The engine's side of choosing tokens on the backend (backend/sampling.h):
+// Sampler::backend_request folds logit_bias and the penalties so that the
+// documented pipeline, run on the raw row with the draw backend_draw takes,
+// picks what Sampler::sample picks and leaves the random stream where
+// sample() leaves it; and the generator, given a backend that samples,
+// produces the tokens of the host path. The pipeline is written out here
+// once more, from sampling.h's description, as the oracle (the CUDA kernels
+// are checked against Sampler itself in tests/cuda_sample_test.cpp).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "engine/generator.h"
+#include "engine/sampler.h"
+#include "engine_test_util.h"
+
+namespace lily {
+namespace {
+
+// sampling.h's pipeline on the host.
+int reference_pick(const std::vector<float>& row, const TokenSampling& r, bool& drew) {
+  const int V = static_cast<int>(row.size());
+  std::vector<float> w(row);
+  for (float& x : w)
+    if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+  for (const LogitAdjust& a : r.adjust) {
+    float& x = w[static_cast<size_t>(a.id)];
+    if (a.ops & LogitAdjust::kBias) x += a.bias;
+    if (a.ops & LogitAdjust::kRep) x = x > 0.f ? x / r.rep_penalty : x * r.rep_penalty;
+    if (a.ops & LogitAdjust::kSub) x -= a.sub;
+  }
+  std::vector<int> order(static_cast<size_t>(V));
+  for (int i = 0; i < V; ++i) order[static_cast<size_t>(i)] = i;
+  const int k = r.temperature == 0.f ? 1 : r.top_k;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+    return w[static_cast<size_t>(a)] > w[static_cast<size_t>(b)] || (w[static_cast<size_t>(a)] == w[static_cast<size_t>(b)] && a < b);
+  });
+  order.resize(static_cast<size_t>(k));
+  drew = false;
+  const float top = w[static_cast<size_t>(order[0])];
+  if (!(top > -std::numeric_limits<float>::infinity())) throw std::runtime_error("no finite logit");
+  if (r.temperature == 0.f || std::isinf(top)) return order[0];
+  const double inv_t = 1.0 / static_cast<double>(r.temperature);
+  std::vector<double> p;
+  for (int id : order) p.push_back(std::exp((static_cast<double>(w[static_cast<size_t>(id)]) - top) * inv_t));
+  size_t n = p.size();
+  if (r.top_p < 1.f) {
+    double total = 0;
+    for (size_t i = 0; i < n; ++i) total += p[i];
+    const double target = static_cast<double>(r.top_p) * total;
+    double mass = 0;
+    size_t i = 0;
+    for (; i < n && mass < target; ++i) mass += p[i];
+    n = i;
+  }
+  if (r.min_p > 0.f) {
+    size_t kept = 0;
+    for (size_t i = 0; i < n; ++i)
+      if (p[i] >= static_cast<double>(r.min_p)) {
+        order[kept] = order[i];
+        p[kept++] = p[i];
+      }
+    n = kept;
+  }
+  double total = 0;
+  for (size_t i = 0; i < n; ++i) total += p[i];
+  const double u = r.u * total;
+  double mass = 0;
+  int last = order[0];
+  drew = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] <= 0) continue;
+    mass += p[i];
+    last = order[i];
+    if (u < mass) break;
+  }
+  return last;
+}
+
+engine::SamplingParams random_params(std::mt19937& rng, int V) {
+  std::uniform_int_distribution<int> pick(0, 5), tok(0, V - 1);
+  engine::SamplingParams p;
+  const float temps[] = {0.f, 0.3f, 0.7f, 1.f, 1.5f, 8.f};
+  p.temperature = temps[pick(rng)];
+  const int ks[] = {1, 5, 20, 40, 100, 128};
+  p.top_k = ks[pick(rng)];
+  const float tps[] = {1.f, 1.f, 0.95f, 0.8f, 0.5f, 0.1f};
+  p.top_p = tps[pick(rng)];
+  const float mps[] = {0.f, 0.f, 0.f, 0.02f, 0.1f, 0.5f};
+  p.min_p = mps[pick(rng)];
+  const float reps[] = {1.f, 1.f, 1.f, 1.1f, 1.3f, 0.8f};
+  p.repetition_penalty = reps[pick(rng)];
+  const float pens[] = {0.f, 0.f, 0.5f, -0.5f, 1.5f, -2.f};
+  p.frequency_penalty = pens[pick(rng)];
+  p.presence_penalty = pens[pick(rng)];
+  for (int i = 0, n = pick(rng); i < n; ++i) {
+    const int id = tok(rng);
+    if (std::none_of(p.logit_bias.begin(), p.logit_bias.end(), [&](auto& b) { return b.first == id; }))
+      p.logit_bias.push_back({id, i % 2 ? -2.5f * i : 3.f + i});
+  }
+  p.has_seed = true;
+  p.seed = rng();
+  return p;
+}
+
+TEST(BackendSampling, TheFoldedRequestPicksWhatSamplePicks) {
+  std::mt19937 rng(42);
+  int compared = 0, drawn = 0;
+  for (int V : {1000, 3001}) {
+    std::normal_distribution<float> n(0.f, 2.5f);
+    std::uniform_int_distribution<int> tok(0, V - 1);
+    for (int trial = 0; trial < 300; ++trial) {
+      engine::SamplingParams p = random_params(rng, V);
+      std::vector<int> history(40);
+      for (int& t : history) t = tok(rng);
+      if (!p.logit_bias.empty())  // a biased id that is penalised too
+        for (int i = 30; i < 34; ++i) history[static_cast<size_t>(i)] = p.logit_bias[0].first;
+      engine::Sampler cpu(p), dev(p);
+      for (int step = 0; step < 3; ++step) {
+        std::vector<float> row(static_cast<size_t>(V));
+        for (float& x : row) x = n(rng);
+        if (trial % 3 == 0) {  // NaN, -inf and ties
+          row[static_cast<size_t>(tok(rng))] = std::numeric_limits<float>::quiet_NaN();
+          row[static_cast<size_t>(tok(rng))] = -std::numeric_limits<float>::infinity();
+          const float mx = *std::max_element(row.begin(), row.end());
+          row[static_cast<size_t>(tok(rng))] = mx;
+          row[static_cast<size_t>(tok(rng))] = mx;
+        }
+        const int want = cpu.sample(row, history, 25);
+        std::optional<TokenSampling> r = dev.backend_request(history, 25, static_cast<size_t>(V));
+        ASSERT_TRUE(r.has_value());
+        for (size_t i = 1; i < r->adjust.size(); ++i) ASSERT_LT(r->adjust[i - 1].id, r->adjust[i].id);
+        dev.backend_draw(*r);
+        bool drew = false;
+        const int got = reference_pick(row, *r, drew);
+        dev.backend_done(drew);
+        ASSERT_EQ(got, want) << "V " << V << " trial " << trial << " step " << step << " T " << p.temperature
+                             << " k " << p.top_k;
+        drawn += drew;
+        ++compared;
+        history.push_back(want);
+      }
+    }
+  }
+  EXPECT_GT(drawn, compared / 2);
+}
+
+TEST(BackendSampling, RequestsOnlyWhatABackendTakes) {
+  engine::SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_k = 0;  // the whole vocabulary: stays on the host
+  EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  p.top_k = kMaxBackendTopK + 1;
+  EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  p.top_k = 1000;  // not below the vocabulary
+  EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  p.top_k = 20;
+  EXPECT_TRUE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  p.temperature = 0.f;
+  p.top_k = 0;
+  ASSERT_TRUE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  EXPECT_EQ(engine::Sampler(p).backend_request({}, 0, 1000)->top_k, 1);
+  p.logit_bias = {{1000, 1.f}};
+  try {
+    engine::Sampler(p).backend_request({}, 0, 1000);
+    FAIL() << "a bias outside the vocabulary was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside the vocabulary"), std::string::npos) << e.what();
+  }
+}
+
+TEST(BackendSampling, AnUnusedDrawIsGivenBack) {
+  engine::SamplingParams p;
+  p.temperature = 1.f;
+  p.top_k = 10;
+  p.has_seed = true;
+  p.seed = 5;
+  engine::Sampler a(p), b(p);
+  TokenSampling r = *a.backend_request({}, 0, 100);
+  a.backend_draw(r);
+  a.backend_done(false);  // e.g. an infinite best logit: sample() returns before drawing
+  std::vector<float> row(100);
+  for (int i = 0; i < 100; ++i) row[static_cast<size_t>(i)] = std::sin(float(i));
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(a.sample(row), b.sample(row));
+}
+
+// The fixture's CPU backend, choosing tokens itself with reference_pick.
+class SamplingBackend : public Backend {
+ public:
+  explicit SamplingBackend(Backend& b) : b_(b) {}
+  std::string name() const override { return "sampling"; }
+  const ModelConfig& config() const override { return b_.config(); }
+  std::unique_ptr<SequenceCache> new_cache(int n) override { return b_.new_cache(n); }
+  void forward(SequenceCache& c, std::span<const int> t, LogitsMode m, float* l) override { b_.forward(c, t, m, l); }
+  void copy_cache(const SequenceCache& s, SequenceCache& d) override { b_.copy_cache(s, d); }
+  void truncate(SequenceCache& c, int n) override { b_.truncate(c, n); }
+  bool can_sample(const TokenSampling& s) const override { return s.temperature == 0.f || s.top_k <= 64; }
+  int forward_sample(SequenceCache& c, int token, const TokenSampling& s, bool& drew) override {
+    ++calls;
+    std::vector<float> row(static_cast<size_t>(config().vocab_size));
+    b_.forward(c, std::span<const int>(&token, 1), LogitsMode::LastOnly, row.data());
+    return reference_pick(row, s, drew);
+  }
+  int calls = 0;
+
+ private:
+  Backend& b_;
+};
+
+std::vector<int> generate(SamplingBackend& b, bool on_backend, const engine::GenerationParams& p) {
+  engine::Generator g(b, nullptr, 256);
+  g.backend_sampling = on_backend;
+  std::vector<int> ids;
+  g.generate(p, [&](engine::GenerationEvent&& e) {
+    if (e.token) ids.push_back(e.token->id);
+    return true;
+  });
+  return ids;
+}
+
+TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
+  SamplingBackend b(test::fixture_backend("qwen3_5_moe"));
+  engine::GenerationParams p;
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> tok(0, b.config().vocab_size - 1);
+  for (int i = 0; i < 24; ++i) p.prompt.push_back(tok(rng));
+  p.max_tokens = 20;
+  p.sampling.temperature = 0.9f;
+  p.sampling.top_k = 30;
+  p.sampling.top_p = 0.9f;
+  p.sampling.presence_penalty = 0.4f;
+  p.sampling.logit_bias = {{5, 3.f}};
+  p.sampling.has_seed = true;
+  p.sampling.seed = 11;
+  const std::vector<int> host = generate(b, false, p);
+  EXPECT_EQ(b.calls, 0);
+  const std::vector<int> dev = generate(b, true, p);
+  EXPECT_EQ(b.calls, 19);  // every token after the prefill's
+  EXPECT_EQ(dev, host);
+  p.top_logprobs = 2;  // needs the row: stays on the host
+  b.calls = 0;
+  EXPECT_EQ(generate(b, true, p), host);
+  EXPECT_EQ(b.calls, 0);
+  p.top_logprobs = -1;
+  p.sampling.top_k = 100;  // more than this backend takes
+  const std::vector<int> host100 = generate(b, false, p);
+  EXPECT_EQ(generate(b, true, p), host100);
+  EXPECT_EQ(b.calls, 0);
+  p.sampling.temperature = 0.f;  // greedy
+  const std::vector<int> greedy = generate(b, false, p);
+  EXPECT_EQ(generate(b, true, p), greedy);
+  EXPECT_EQ(b.calls, 19);
+}
+
+}  // namespace
+}  // namespace lily
