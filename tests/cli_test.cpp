@@ -126,6 +126,80 @@ TEST(Cli, KvCacheOptionOnTheCpuBackend) {
   EXPECT_EQ(nlohmann::json::parse(r.out).at("tokens").get<std::vector<int>>(), first);
 }
 
+// lily bench --generate N: per ctx, N tokens through the generator (the
+// server's path, host sampling) against the backend's decode loop; the
+// prompt prefilled once (later repeats reuse the state after it).
+TEST(Cli, BenchGenerateCountsTheTokensAndTimesBothLoops) {
+  test::TempModelDir tmp("qwen3");
+  const std::string json = tmp.file("bench.json");
+  auto bench = [&](const std::string& fixture, const std::string& args) {
+    CliRun r = run_lily("bench --backend cpu --threads 1 --model " + test::fixture_dir(fixture) +
+                        " --ctx 8,40 --warmup 1 --repeats 2 --json " + json + " " + args);
+    EXPECT_EQ(r.code, 0) << r.err;
+    EXPECT_NE(r.out.find("gen tok/s"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("host tok/s"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("loop tok/s"), std::string::npos) << r.out;
+    std::ifstream in(json);
+    return nlohmann::json::parse(in);
+  };
+  for (const char* fixture : {"qwen3_5_moe", "qwen3"}) {  // hybrid, attention only
+    SCOPED_TRACE(fixture);
+    const auto j = bench(fixture, "--generate 4");
+    EXPECT_EQ(j.at("backend"), "cpu");
+    EXPECT_EQ(j.at("generate_tokens"), 4);
+    EXPECT_EQ(j.at("sampling").at("temperature"), 0.0);
+    EXPECT_EQ(j.at("backend_picks"), false);  // the cpu backend leaves the choice to the host
+    ASSERT_EQ(j.at("results").size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& row = j["results"][i];
+      EXPECT_EQ(row.at("ctx"), i ? 40 : 8);
+      EXPECT_EQ(row.at("prompt_tokens"), i ? 40 : 8);
+      EXPECT_EQ(row.at("generated_tokens"), 4);
+      // Repeats start from the state kept after the prompt (an
+      // attention-only model runs its last token again).
+      EXPECT_GE(row.at("cached_tokens").get<int>(), row["prompt_tokens"].get<int>() - 1);
+      EXPECT_GT(row.at("first_ttft_ms").get<double>(), 0);
+      EXPECT_EQ(row.at("ms_per_token_repeats").size(), 2u);
+      EXPECT_EQ(row.at("backend_ms_per_token_repeats").size(), 2u);
+      EXPECT_EQ(row.at("host_sampling_ms_per_token_repeats").size(), 2u);
+      for (const char* k : {"decode_tok_s", "ms_per_token", "host_sampling_decode_tok_s", "backend_decode_tok_s",
+                            "backend_ms_per_token"})
+        EXPECT_GT(row.at(k).get<double>(), 0) << k;
+      EXPECT_NEAR(row["decode_tok_s"].get<double>() * row["ms_per_token"].get<double>(), 1000, 1e-6);
+      EXPECT_NEAR(row.at("overhead_ms_per_token").get<double>(),
+                  row["ms_per_token"].get<double>() - row["backend_ms_per_token"].get<double>(), 1e-9);
+    }
+  }
+  // Sampled: the parameters reach the report; still exactly N tokens.
+  auto j = bench("qwen3_5_moe", "--generate 6 --temperature 0.8 --top-k 5 --top-p 0.9 --min-p 0.05 --seed 3");
+  EXPECT_EQ(j.at("sampling").at("top_k"), 5);
+  EXPECT_NEAR(j["sampling"].at("top_p").get<double>(), 0.9, 1e-6);
+  EXPECT_NEAR(j["sampling"].at("min_p").get<double>(), 0.05, 1e-6);
+  EXPECT_EQ(j["sampling"].at("seed"), 3);
+  for (const auto& row : j.at("results")) EXPECT_EQ(row.at("generated_tokens"), 6);
+  // One token: no decode step to time.
+  j = bench("qwen3", "--generate 1");
+  for (const auto& row : j.at("results")) {
+    EXPECT_EQ(row.at("generated_tokens"), 1);
+    EXPECT_TRUE(row.at("decode_tok_s").is_null());
+    EXPECT_TRUE(row.at("backend_decode_tok_s").is_null());
+  }
+}
+
+TEST(Cli, BenchGenerateRefusesBadParameters) {
+  const std::string b = "bench --backend cpu --model " + test::fixture_dir("qwen3") + " --ctx 8";
+  expect_one_line_error(run_lily(b + " --generate 0"), "--generate");
+  expect_one_line_error(run_lily(b + " --generate 100001"), "--generate");
+  expect_one_line_error(run_lily(b + " --generate x"), "--generate");
+  expect_one_line_error(run_lily(b + " --generate 4 --top-p 0"), "top_p");
+  expect_one_line_error(run_lily(b + " --generate 4 --top-p 1.5"), "--top-p");
+  expect_one_line_error(run_lily(b + " --generate 4 --min-p -0.1"), "--min-p");
+  expect_one_line_error(run_lily(b + " --generate 4 --top-k -1"), "--top-k");
+  expect_one_line_error(run_lily(b + " --generate 4 --temperature -1"), "--temperature");
+  expect_one_line_error(run_lily(b + " --temperature 0.5"), "--temperature is for --generate");
+  expect_one_line_error(run_lily(b + " --generate 4 --reuse 8"), "at most one of");
+}
+
 TEST(CliText, TokenizeDetokenizeRoundTrip) {
   const std::string tok = " --model " + test::fixture_dir("qwen3-chat-tiny") + " --tokenizer " +
                           test::fixture_dir("tokenizer");

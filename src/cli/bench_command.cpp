@@ -16,12 +16,25 @@
 // P-token preamble + --reuse-suffix unique tokens, one token generated each,
 // through the engine's generator (the server's code path) with its prefix
 // cache on, and with no reuse at all; time to first token per request.
+// Generation (--generate N; any backend): N tokens generated after a prompt
+// of ctx random tokens through the engine's generator (the server's code
+// path: forward, logits on the host, engine::Sampler with the --temperature /
+// --top-k / --top-p / --min-p / --seed given, token events), no stop tokens;
+// decode rate = tokens after the first over the time from the first token to
+// the last (GenerationResult::decode_seconds), median of repeats; the prompt
+// is prefilled once, later repeats start from the state the generator keeps
+// after it. Next to it the backend's own decode loop over as many steps (N -
+// 1) from the same position, timed as the default mode times it (cuda: the
+// device loop; cpu: forward per token, argmax fed back on the host).
 #include <algorithm>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -58,6 +71,18 @@ std::vector<int> random_prompt(std::mt19937& rng, int n, int vocab) {
 double forward_ms(Backend& b, SequenceCache& cache, std::span<const int> tokens, float* logits) {
   const auto t0 = std::chrono::steady_clock::now();
   b.forward(cache, tokens, LogitsMode::LastOnly, logits);
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// n greedy decode steps from the cache's position, each a one-token forward
+// fed the argmax of the previous logits (`logits` holds the row to start
+// from, and the last row after); wall time in ms.
+double host_decode_ms(Backend& b, SequenceCache& cache, std::vector<float>& logits, int n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < n; ++i) {
+    int next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    b.forward(cache, std::span<const int>(&next, 1), LogitsMode::LastOnly, logits.data());
+  }
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -564,13 +589,8 @@ nlohmann::ordered_json bench_cpu(std::unique_ptr<ModelWeights> w, const Setup& s
       std::vector<float> logits(c.vocab_size);
       const std::vector<int> prompt = random_prompt(rng, ctx, c.vocab_size);
       const double prefill_ms = forward_ms(*b, *cache, prompt, logits.data());
-      const auto t0 = std::chrono::steady_clock::now();
       if (r >= s.warmup) prefill_tok_s.push_back(prompt.size() / (prefill_ms * 1e-3));
-      for (int i = 0; i < s.tokens; ++i) {
-        int next = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-        b->forward(*cache, std::span<const int>(&next, 1), LogitsMode::LastOnly, logits.data());
-      }
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const double ms = host_decode_ms(*b, *cache, logits, s.tokens);
       if (r >= s.warmup) per_tok.push_back(ms / s.tokens);
     }
     const double ms_tok = median(per_tok);
@@ -721,13 +741,157 @@ nlohmann::ordered_json bench_reuse(std::unique_ptr<ModelWeights> w, const Setup&
   return j;
 }
 
+// The backend's own decode loop, timed as the default mode times it: ms per
+// step of each of --repeats runs of `steps` greedy steps from position ctx,
+// after --warmup untimed ones. cuda: random KV rows and DeltaNet state put
+// at ctx, the argmax fed back on the device, device events; other backends:
+// a prefill of ctx random tokens (once, copied into the cache each repeat),
+// then host_decode_ms.
+std::vector<double> backend_decode_ms(Backend& b, const Setup& s, int ctx, int steps, std::mt19937& rng) {
+  auto cache = b.new_cache(ctx + steps + 16);
+  std::unique_ptr<SequenceCache> base;
+  std::vector<float> prefilled, logits;
+  std::function<double(int)> once;  // one run (repeat r), its ms
+#ifdef LILY_HAVE_CUDA
+  if (auto* cb = dynamic_cast<cuda::CudaBackend*>(&b))
+    once = [&, cb](int r) {
+      cb->bench_fill(*cache, ctx, s.seed + 17 * r);
+      return cb->time_decode_ms(*cache, steps, 1);
+    };
+#endif
+  if (!once) {
+    base = b.new_cache(ctx + 1);
+    prefilled.resize(b.config().vocab_size);
+    forward_ms(b, *base, random_prompt(rng, ctx, b.config().vocab_size), prefilled.data());
+    once = [&](int) {
+      b.copy_cache(*base, *cache);
+      logits = prefilled;
+      return host_decode_ms(b, *cache, logits, steps);
+    };
+  }
+  std::vector<double> per_tok;
+  for (int r = 0; r < s.warmup + s.repeats; ++r) {
+    const double ms = once(r);
+    if (r >= s.warmup) per_tok.push_back(ms / steps);
+  }
+  return per_tok;
+}
+
+// Generation as a client of the server sees it (the file's header).
+nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Setup& s, int tokens,
+                                      const engine::SamplingParams& sampling, int threads, const std::string& kv) {
+  auto b = bench_backend(std::move(w), s, threads, kv);
+  const int V = b->config().vocab_size;
+  const int steps = tokens - 1;  // forwards between the first token and the last
+  const std::string how =
+      sampling.greedy() ? std::string("greedy")
+                        : str_cat("temperature ", sampling.temperature, ", top-k ", sampling.top_k, ", top-p ",
+                                  sampling.top_p, ", min-p ", sampling.min_p, ", seed ", sampling.seed);
+  nlohmann::ordered_json j;
+  j["model"] = s.model_desc;
+  j["backend"] = b->name();
+  j["method"] = "N tokens generated through the engine's generator after a prompt of ctx random tokens (prefilled "
+                "once), no stop tokens; decode = tokens after the first over the time from the first token to the "
+                "last, median of repeats; against the backend's decode loop over N - 1 steps from ctx, timed as "
+                "the default mode times it";
+  j["backend_loop"] = b->name() == "cuda" ? "device loop: random KV and DeltaNet state at ctx, argmax fed back on "
+                                            "the device, device-event timing"
+                                          : "forward per token after a prefill of ctx random tokens, argmax fed "
+                                            "back on the host, wall time";
+  j["generate_tokens"] = tokens;
+  j["sampling"] = {{"temperature", sampling.temperature}, {"top_k", sampling.top_k}, {"top_p", sampling.top_p},
+                   {"min_p", sampling.min_p}, {"seed", sampling.seed}};
+  j["warmup"] = s.warmup;
+  j["repeats"] = s.repeats;
+  // Where the backend takes the request (Backend::can_sample), the
+  // generator runs it both ways, alternating repeats: the token chosen by
+  // the backend (its default) and on the host (backend_sampling off).
+  engine::Sampler probe(sampling);
+  const std::optional<TokenSampling> request = probe.backend_request({}, 0, static_cast<size_t>(V));
+  const bool both = request && b->can_sample(*request);
+  j["backend_picks"] = both;
+  std::printf("generation: %d token%s through the generator (%s; chosen %s) against the backend's decode loop; "
+              "backend %s; model: %s\n",
+              tokens, tokens == 1 ? "" : "s", how.c_str(),
+              both ? "by the backend, and on the host for comparison" : "on the host", b->name().c_str(),
+              s.model_desc.c_str());
+  if (steps == 0) std::printf("(one token: only the prefill's, no decode to time)\n");
+  std::printf("\n%8s %10s %11s %10s %11s %10s %11s %9s\n", "ctx", "gen tok/s", "gen ms/tok", "host tok/s",
+              "host ms/tok", "loop tok/s", "loop ms/tok", "gen/loop");
+  std::mt19937 rng(static_cast<uint32_t>(s.seed));
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (int ctx : s.ctxs) {
+    const int P = std::max(ctx, 1);
+    std::vector<double> gen, host;
+    int generated = 0, cached = 0;
+    double first_ttft_ms = 0;
+    {
+      engine::GenerationParams gp;
+      gp.prompt = random_prompt(rng, P, V);
+      gp.sampling = sampling;
+      gp.max_tokens = tokens;
+      gp.reuse_prefix = true;
+      gp.speculative_tokens = 0;
+      // Each generator keeps only the state after the prompt (no parked live
+      // sequence, no branch point): a repeat starts from it, no new prefill.
+      engine::Generator on_backend(*b, nullptr, P + tokens), on_host(*b, nullptr, P + tokens);
+      on_backend.keep_min_tokens = on_host.keep_min_tokens = INT_MAX;
+      on_host.backend_sampling = false;
+      // One generation: ms per decode step (NaN without steps).
+      auto once = [&](engine::Generator& g, int r) {
+        generated = 0;
+        const auto res = g.generate(gp, [&](engine::GenerationEvent&& e) {
+          generated += e.token.has_value();
+          return true;
+        });
+        if (res.completion_tokens != tokens || generated != tokens)
+          fail("bench --generate: the generator stopped after ", generated, " of ", tokens, " tokens (",
+               engine::finish_reason_name(res.finish), ")");
+        if (r == 0) first_ttft_ms = res.prefill_seconds * 1e3;
+        cached = res.cached_tokens;
+        return steps > 0 ? res.decode_seconds * 1e3 / steps : std::nan("");
+      };
+      for (int r = 0; r < s.warmup + s.repeats; ++r) {
+        const double h = once(on_host, r), g = both ? once(on_backend, r) : h;
+        if (r < s.warmup) continue;
+        host.push_back(h);
+        gen.push_back(g);
+      }
+    }
+    const std::vector<double> loop = steps > 0 ? backend_decode_ms(*b, s, P, steps, rng) : std::vector<double>{};
+    // NaN (null in the JSON) without decode steps.
+    const double nan = std::nan("");
+    const double gen_ms = steps > 0 ? median(gen) : nan, host_ms = steps > 0 ? median(host) : nan,
+                 loop_ms = steps > 0 ? median(loop) : nan;
+    std::printf("%8d %10.1f %11.3f %10.1f %11.3f %10.1f %11.3f %8.1f%%\n", ctx, 1000.0 / gen_ms, gen_ms,
+                1000.0 / host_ms, host_ms, 1000.0 / loop_ms, loop_ms, 100.0 * loop_ms / gen_ms);
+    rows.push_back({{"ctx", ctx},
+                    {"prompt_tokens", P},
+                    {"generated_tokens", generated},
+                    {"cached_tokens", cached},
+                    {"first_ttft_ms", first_ttft_ms},
+                    {"decode_tok_s", 1000.0 / gen_ms},
+                    {"ms_per_token", gen_ms},
+                    {"ms_per_token_repeats", gen},
+                    {"host_sampling_decode_tok_s", 1000.0 / host_ms},
+                    {"host_sampling_ms_per_token", host_ms},
+                    {"host_sampling_ms_per_token_repeats", host},
+                    {"backend_decode_tok_s", 1000.0 / loop_ms},
+                    {"backend_ms_per_token", loop_ms},
+                    {"backend_ms_per_token_repeats", loop},
+                    {"overhead_ms_per_token", gen_ms - loop_ms}});
+  }
+  j["results"] = rows;
+  return j;
+}
+
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
-          "--cpu-act"},
+          "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p"},
          {"--profile", "--trace", "--handover"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
@@ -742,6 +906,20 @@ int cmd_bench(int argc, char** argv) {
   s.trace = a.has("--trace");
   s.handover = a.has("--handover");
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
+  if (a.has("--draft") + a.has("--reuse") + a.has("--generate") > 1)
+    fail("bench: give at most one of --draft, --reuse, --generate");
+  // --generate: checked before the model loads.
+  for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p"})
+    if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
+  const int generate = static_cast<int>(a.integer("--generate", 0, 1, 100000));
+  engine::SamplingParams sampling;
+  sampling.temperature = static_cast<float>(a.number("--temperature", 0, 0, 100));
+  sampling.top_k = static_cast<int>(a.integer("--top-k", 0, 0, 1 << 20));
+  sampling.top_p = static_cast<float>(a.number("--top-p", 1, 0, 1));
+  sampling.min_p = static_cast<float>(a.number("--min-p", 0, 0, 1));
+  sampling.seed = s.seed;
+  sampling.has_seed = true;
+  sampling.validate();  // what the flags' ranges leave (top-p 0)
   std::unique_ptr<ModelWeights> w;
   if (a.has("--synthetic")) {
     const std::string name = a.str("--synthetic");
@@ -753,7 +931,10 @@ int cmd_bench(int argc, char** argv) {
     s.model_desc = a.str("--model");
   }
   nlohmann::ordered_json j;
-  if (a.has("--draft")) {
+  if (a.has("--generate")) {
+    j = bench_generate(std::move(w), s, generate, sampling, static_cast<int>(a.integer("--threads", 0, 0, 1024)),
+                       a.str("--kv"));
+  } else if (a.has("--draft")) {
     std::vector<int> runs = parse_int_list(a.str("--draft"), "--draft");
     for (int T : runs)
       if (T < 1 || T > 64) fail("--draft: run lengths are 1..64 (got ", T, ")");

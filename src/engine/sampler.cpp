@@ -144,17 +144,21 @@ void Sampler::apply_penalties(std::span<const int> history, size_t prompt_len) {
     const float r = params_.repetition_penalty;
     for (int t : ids) work_[t] = work_[t] > 0.0f ? work_[t] / r : work_[t] * r;
   }
-  if (params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f) {
-    auto generated = history.subspan(std::min(prompt_len, history.size()));
-    ids.assign(generated.begin(), generated.end());
-    std::sort(ids.begin(), ids.end());
-    for (size_t i = 0; i < ids.size();) {
-      size_t j = i;
-      while (j < ids.size() && ids[j] == ids[i]) ++j;
-      const float count = static_cast<float>(j - i);
-      work_[ids[i]] -= penalty_sub(count);
-      i = j;
-    }
+  if (params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f)
+    for_each_generated(history, prompt_len, [&](int id, float count) { work_[id] -= penalty_sub(count); });
+}
+
+template <typename Fn>
+void Sampler::for_each_generated(std::span<const int> history, size_t prompt_len, Fn fn) {
+  auto generated = history.subspan(std::min(prompt_len, history.size()));
+  std::vector<int>& ids = counts_scratch_;
+  ids.assign(generated.begin(), generated.end());
+  std::sort(ids.begin(), ids.end());
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j < ids.size() && ids[j] == ids[i]) ++j;
+    fn(ids[i], static_cast<float>(j - i));
+    i = j;
   }
 }
 
@@ -190,20 +194,11 @@ std::optional<TokenSampling> Sampler::backend_request(std::span<const int> histo
       check(t);
       a.push_back({t, LogitAdjust::kRep, 0.f, 0.f});
     }
-  std::vector<int>& ids = counts_scratch_;
-  ids.clear();
-  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
-    auto generated = history.subspan(std::min(prompt_len, history.size()));
-    ids.assign(generated.begin(), generated.end());
-    std::sort(ids.begin(), ids.end());
-    for (size_t i = 0; i < ids.size();) {
-      size_t j = i;
-      while (j < ids.size() && ids[j] == ids[i]) ++j;
-      check(ids[i]);
-      a.push_back({ids[i], LogitAdjust::kSub, 0.f, penalty_sub(static_cast<float>(j - i))});
-      i = j;
-    }
-  }
+  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f)
+    for_each_generated(history, prompt_len, [&](int id, float count) {
+      check(id);
+      a.push_back({id, LogitAdjust::kSub, 0.f, penalty_sub(count)});
+    });
   // Merge the entries of one id (stable: bias, then rep, then sub).
   std::stable_sort(a.begin(), a.end(), [](const LogitAdjust& x, const LogitAdjust& y) { return x.id < y.id; });
   size_t out = 0;

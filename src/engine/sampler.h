@@ -118,6 +118,10 @@ class Sampler {
   void apply_penalties(std::span<const int> history, size_t prompt_len);
   // What frequency and presence penalties take off a logit seen `count` times.
   float penalty_sub(float count) const;
+  // fn(id, count) for each distinct generated token (history[prompt_len:]),
+  // ascending ids.
+  template <typename Fn>
+  void for_each_generated(std::span<const int> history, size_t prompt_len, Fn fn);
   // order_ = the n most likely tokens of work_, most likely first.
   void select_top(size_t n);
   double uniform();

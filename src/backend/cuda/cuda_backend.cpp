@@ -1626,6 +1626,21 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   LILY_CUDA(cudaMemsetAsync(&ctrl->use_argmax, 0, sizeof(int), m.stream));
   LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
   m.run_step(cache);
+  if (s.temperature == 0.f && s.adjust.empty()) {
+    // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
+    // same order: NaN never taken, lower id on ties), 8 bytes back. Its
+    // order tells -0 from +0, the Sampler's does not: a best logit of zero
+    // goes through the sampling kernels instead.
+    auto* key = reinterpret_cast<unsigned long long*>(m.s_pinned.as<char>() + 8);
+    LILY_CUDA(cudaMemcpyAsync(key, &ctrl->argmax_key, sizeof *key, cudaMemcpyDeviceToHost, m.stream));
+    LILY_CUDA(cudaStreamSynchronize(m.stream));
+    const uint32_t hi = static_cast<uint32_t>(*key >> 32);
+    if (*key != 0 && hi != 0x80000000u && hi != 0x7fffffffu) {
+      cache.advance(1);
+      drew = false;
+      return static_cast<int>(0xffffffffu - static_cast<uint32_t>(*key));
+    }
+  }
   cuda::SampleArgs a;
   a.logits = m.logits.as<float>();
   a.V = V;
