@@ -1629,13 +1629,14 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   if (s.temperature == 0.f && s.adjust.empty()) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
     // same order: NaN never taken, lower id on ties), 8 bytes back. Its
-    // order tells -0 from +0, the Sampler's does not: a best logit of zero
-    // goes through the sampling kernels instead.
+    // order tells -0 from +0, the Sampler's does not, and a row with no
+    // finite logit is the Sampler's error: a best logit of zero or -inf
+    // (or none) goes through the sampling kernels instead.
     auto* key = reinterpret_cast<unsigned long long*>(m.s_pinned.as<char>() + 8);
     LILY_CUDA(cudaMemcpyAsync(key, &ctrl->argmax_key, sizeof *key, cudaMemcpyDeviceToHost, m.stream));
     LILY_CUDA(cudaStreamSynchronize(m.stream));
     const uint32_t hi = static_cast<uint32_t>(*key >> 32);
-    if (*key != 0 && hi != 0x80000000u && hi != 0x7fffffffu) {
+    if (*key != 0 && hi != 0x80000000u && hi != 0x7fffffffu && hi != 0x007fffffu) {
       cache.advance(1);
       drew = false;
       return static_cast<int>(0xffffffffu - static_cast<uint32_t>(*key));
