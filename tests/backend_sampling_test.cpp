@@ -138,7 +138,7 @@ TEST(BackendSampling, TheFoldedRequestPicksWhatSamplePicks) {
         dev.backend_draw(*r);
         bool drew = false;
         const int got = reference_pick(row, *r, drew);
-        dev.backend_done(drew);
+        dev.backend_done(drew ? 1 : 0);
         ASSERT_EQ(got, want) << "V " << V << " trial " << trial << " step " << step << " T " << p.temperature
                              << " k " << p.top_k;
         drawn += drew;
@@ -183,7 +183,7 @@ TEST(BackendSampling, AnUnusedDrawIsGivenBack) {
   engine::Sampler a(p), b(p);
   TokenSampling r = *a.backend_request({}, 0, 100);
   a.backend_draw(r);
-  a.backend_done(false);  // e.g. an infinite best logit: sample() returns before drawing
+  a.backend_done(0);  // e.g. an infinite best logit: sample() returns before drawing
   std::vector<float> row(100);
   for (int i = 0; i < 100; ++i) row[static_cast<size_t>(i)] = std::sin(float(i));
   for (int i = 0; i < 5; ++i) EXPECT_EQ(a.sample(row), b.sample(row));
@@ -199,7 +199,24 @@ class SamplingBackend : public Backend {
   void forward(SequenceCache& c, std::span<const int> t, LogitsMode m, float* l) override { b_.forward(c, t, m, l); }
   void copy_cache(const SequenceCache& s, SequenceCache& d) override { b_.copy_cache(s, d); }
   void truncate(SequenceCache& c, int n) override { b_.truncate(c, n); }
+  int max_draft_run() const override { return b_.max_draft_run(); }
+  void forward_draft(SequenceCache& c, std::span<const int> t, float* l) override { b_.forward_draft(c, t, l); }
+  void accept_draft(SequenceCache& c, int n) override { b_.accept_draft(c, n); }
   bool can_sample(const TokenSampling& s) const override { return s.temperature == 0.f || s.top_k <= 64; }
+  bool can_sample_draft(const TokenSampling& s) const override { return can_sample(s); }
+  void forward_draft_sample(SequenceCache& c, std::span<const int> t, std::span<const TokenSampling> s, int* ids,
+                            int* drew) override {
+    ++draft_calls;
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    std::vector<float> rows(t.size() * V);
+    b_.forward_draft(c, t, rows.data());
+    for (size_t i = 0; i < t.size(); ++i) {
+      bool d = false;
+      ids[i] = reference_pick(std::vector<float>(rows.begin() + i * V, rows.begin() + (i + 1) * V), s[i], d);
+      drew[i] = d ? 1 : 0;
+    }
+  }
+  int draft_calls = 0;
   int forward_sample(SequenceCache& c, int token, const TokenSampling& s, bool& drew) override {
     ++calls;
     std::vector<float> row(static_cast<size_t>(config().vocab_size));
@@ -212,14 +229,18 @@ class SamplingBackend : public Backend {
   Backend& b_;
 };
 
-std::vector<int> generate(SamplingBackend& b, bool on_backend, const engine::GenerationParams& p) {
+std::vector<int> generate(SamplingBackend& b, bool on_backend, const engine::GenerationParams& p,
+                          engine::GenerationResult* res = nullptr, int speculative = 0) {
   engine::Generator g(b, nullptr, 256);
   g.backend_sampling = on_backend;
+  g.speculative_tokens = speculative;
+  g.speculative_adaptive = false;
   std::vector<int> ids;
-  g.generate(p, [&](engine::GenerationEvent&& e) {
+  const engine::GenerationResult r = g.generate(p, [&](engine::GenerationEvent&& e) {
     if (e.token) ids.push_back(e.token->id);
     return true;
   });
+  if (res) *res = r;
   return ids;
 }
 
@@ -255,6 +276,45 @@ TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
   const std::vector<int> greedy = generate(b, false, p);
   EXPECT_EQ(generate(b, true, p), greedy);
   EXPECT_EQ(b.calls, 19);
+}
+
+// Speculative runs whose rows the backend samples: the tokens of the host
+// path, with drafts taken and refused (the refused rows' draws given back).
+TEST(BackendSampling, DraftRunsSampledByTheBackendGiveTheHostPathsTokens) {
+  SamplingBackend b(test::fixture_backend("qwen3_5_moe"));
+  ASSERT_GT(b.max_draft_run(), 1);
+  const int V = b.config().vocab_size;
+  int drafted = 0, accepted = 0;
+  for (unsigned seed = 1; seed <= 3; ++seed) {
+    for (float temperature : {0.f, 0.9f}) {
+      std::mt19937 rng(seed);
+      std::uniform_int_distribution<int> d(0, V - 1);
+      std::vector<int> part(12);
+      for (int& t : part) t = d(rng);
+      engine::GenerationParams p;
+      for (int r = 0; r < 3; ++r) p.prompt.insert(p.prompt.end(), part.begin(), part.end());
+      for (int i = 0; i < 4; ++i) p.sampling.logit_bias.push_back({part[i], 3.f});  // the loop, likelier
+      p.sampling.temperature = temperature;
+      p.sampling.top_k = 40;
+      p.sampling.presence_penalty = 0.3f;  // each row's adjustments follow the drafts before it
+      p.sampling.seed = seed;
+      p.sampling.has_seed = true;
+      p.max_tokens = 40;
+      engine::GenerationResult host_res, dev_res;
+      b.draft_calls = 0;
+      const std::vector<int> host = generate(b, false, p, &host_res, 6);
+      EXPECT_EQ(b.draft_calls, 0);
+      const std::vector<int> dev = generate(b, true, p, &dev_res, 6);
+      EXPECT_EQ(dev, host) << "seed " << seed << " temperature " << temperature;
+      EXPECT_EQ(dev_res.draft_tokens, host_res.draft_tokens);
+      EXPECT_EQ(dev_res.accepted_tokens, host_res.accepted_tokens);
+      EXPECT_EQ(b.draft_calls > 0, dev_res.draft_tokens > 0);
+      drafted += dev_res.draft_tokens;
+      accepted += dev_res.accepted_tokens;
+    }
+  }
+  EXPECT_GT(accepted, 0) << "no draft was ever taken: the test exercises nothing";
+  EXPECT_LT(accepted, drafted) << "no draft was ever refused: the draws given back go untested";
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ DevicePick device_pick(const std::vector<float>& logits, const TokenSampling& r)
   a.temperature = r.temperature;
   a.top_p = r.top_p;
   a.min_p = r.min_p;
-  a.u = r.u;
+  a.u[0] = r.u;
   a.cand = dc.as<uint64_t>();
   a.out = dout.as<int>();
   cuda::launch_sample(a, nullptr);
@@ -125,7 +125,7 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
           ASSERT_TRUE(r.has_value());
           dev.backend_draw(*r);
           const DevicePick got = device_pick(row, *r);
-          dev.backend_done((got.flags & 1) != 0);
+          dev.backend_done(got.flags & 1);
           ASSERT_EQ(got.flags & 2, 0);
           EXPECT_EQ(got.id, want) << "V " << V << " T " << c.temperature << " k " << c.top_k << " top_p "
                                   << c.top_p << " min_p " << c.min_p << " trial " << trial << " step " << step;
@@ -189,6 +189,55 @@ TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
     ASSERT_EQ(host.size(), 48u);
     EXPECT_EQ(dev, host) << "temperature " << s.temperature;
   }
+}
+
+// Draft runs whose rows the GPU samples (CudaOptions::draft_sample): the
+// tokens of the same speculative generation with the rows copied to the
+// host, drafts taken and refused.
+TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
+  LILY_SKIP_WITHOUT_GPU();
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.draft_sample = true;
+  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  ASSERT_GT(b->max_draft_run(), 1);
+  const int V = b->config().vocab_size;
+  int drafted = 0, accepted = 0, runs_on_device = 0;
+  for (unsigned seed = 1; seed <= 3; ++seed)
+    for (float temperature : {0.f, 0.9f}) {
+      std::mt19937 rng(seed);
+      std::uniform_int_distribution<int> tok(0, V - 1);
+      std::vector<int> part(12);
+      for (int& t : part) t = tok(rng);
+      engine::GenerationParams p;
+      for (int r = 0; r < 3; ++r) p.prompt.insert(p.prompt.end(), part.begin(), part.end());
+      for (int i = 0; i < 4; ++i) p.sampling.logit_bias.push_back({part[i], 3.f});
+      p.sampling.temperature = temperature;
+      p.sampling.top_k = 40;
+      p.sampling.presence_penalty = 0.3f;
+      p.sampling.seed = seed;
+      p.sampling.has_seed = true;
+      p.max_tokens = 40;
+      std::vector<int> ids[2];
+      engine::GenerationResult res[2];
+      for (int on = 0; on < 2; ++on) {
+        engine::Generator g(*b, nullptr, 512);
+        g.backend_sampling = on == 1;
+        g.speculative_tokens = 6;
+        g.speculative_adaptive = false;
+        res[on] = g.generate(p, [&](engine::GenerationEvent&& e) {
+          if (e.token) ids[on].push_back(e.token->id);
+          return true;
+        });
+      }
+      EXPECT_EQ(ids[1], ids[0]) << "seed " << seed << " temperature " << temperature;
+      EXPECT_EQ(res[1].accepted_tokens, res[0].accepted_tokens);
+      drafted += res[1].draft_tokens;
+      accepted += res[1].accepted_tokens;
+      runs_on_device += res[1].draft_tokens > 0;
+    }
+  EXPECT_GT(runs_on_device, 0);
+  EXPECT_GT(accepted, 0);
+  EXPECT_LT(accepted, drafted);
 }
 
 }  // namespace

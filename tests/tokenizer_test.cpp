@@ -340,7 +340,10 @@ TEST(TokenizerQwen3, LongWordsAndRuns) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(qwen3().decode(ids), text);
-    EXPECT_LT(seconds, 10.0);  // quadratic BPE would take minutes here
+    // Quadratic BPE would take minutes here in a release build; the bound
+    // leaves room for a sanitizer build on a loaded 2-core machine (~12 s
+    // seen for one text).
+    EXPECT_LT(seconds, 60.0);
   }
 }
 

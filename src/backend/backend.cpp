@@ -66,6 +66,12 @@ int Backend::forward_sample(SequenceCache&, int, const TokenSampling&, bool&) {
   fail("internal: the ", name(), " backend does not sample on its own (can_sample is false)");
 }
 
+bool Backend::can_sample_draft(const TokenSampling&) const { return false; }
+
+void Backend::forward_draft_sample(SequenceCache&, std::span<const int>, std::span<const TokenSampling>, int*, int*) {
+  fail("internal: the ", name(), " backend does not sample draft runs (can_sample_draft is false)");
+}
+
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
 namespace {

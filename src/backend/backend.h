@@ -98,6 +98,14 @@ class Backend {
   // and forward_sample fails.
   virtual bool can_sample(const TokenSampling& s) const;
   virtual int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew);
+  // forward_draft whose rows the backend samples itself: row i (the token
+  // after tokens[i]) with s[i], whose adjustments follow the history up to
+  // tokens[i]; ids[i] and drew[i] (0 / 1) as forward_sample's, no logits
+  // back. accept_draft settles the run as after forward_draft.
+  // can_sample_draft: whether this backend takes such a run with `s`.
+  virtual bool can_sample_draft(const TokenSampling& s) const;
+  virtual void forward_draft_sample(SequenceCache& cache, std::span<const int> tokens,
+                                    std::span<const TokenSampling> s, int* ids, int* drew);
 
  protected:
   // For overrides: checks a forward_draft / accept_draft call and records

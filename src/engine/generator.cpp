@@ -193,6 +193,11 @@ class Generator::Speculation {
     k_ = max_k_;
   }
 
+  // Whether the backend chose the pending run's tokens (row_id(i): row
+  // i's), rather than returning its rows of logits.
+  bool picked() const { return picker_ != nullptr; }
+  int row_id(size_t i) const { return row_ids_[i]; }
+
   // Whether the sampled token is the run's next draft (then already fed).
   bool matched(int id) {
     if (used_ < draft_.size() && draft_[used_] == id) {
@@ -206,6 +211,12 @@ class Generator::Speculation {
   // Keeps the fed token and the matched drafts of the pending run.
   void settle(GenerationResult& res) {
     if (draft_.empty()) return;
+    if (picker_) {  // rows 0..used_ were sampled: their draws stay taken, the rest go back
+      int draws = 0;
+      for (size_t r = 0; r <= used_; ++r) draws += row_drew_[r];
+      picker_->backend_done(draws);
+      picker_ = nullptr;
+    }
     const auto t = Clock::now();
     g_.seq_.accept_draft(static_cast<int>(1 + used_));
     run_s_ += seconds_between(t, Clock::now());
@@ -217,8 +228,13 @@ class Generator::Speculation {
   }
 
   // Feeds `id` with a draft after it, if there is one worth running;
-  // `out` gets a row of logits per token of the run.
-  bool start(int id, const std::vector<int>& history, int produced, std::vector<float>& out) {
+  // `out` gets a row of logits per token of the run, or, with `picker` (the
+  // sampler, where the backend may choose) and a backend that takes it,
+  // the backend samples the rows itself (picked()): row i with the
+  // history up to the run's token i and the i-th of as many draws taken
+  // ahead, those of rows never reached given back at settle().
+  bool start(int id, const std::vector<int>& history, int produced, std::vector<float>& out, Sampler* picker,
+             size_t prompt_len) {
     if (max_k_ <= 0) return false;
     if (pause_ > 0) {
       --pause_;
@@ -236,7 +252,7 @@ class Generator::Speculation {
     run.push_back(id);
     run.insert(run.end(), d.begin(), d.end());
     const auto t = Clock::now();
-    out = g_.seq_.append_draft(run);
+    if (!(picker && start_picked(run, history, *picker, prompt_len))) out = g_.seq_.append_draft(run);
     run_s_ = seconds_between(t, Clock::now());
     draft_ = std::move(d);
     used_ = 0;
@@ -250,7 +266,7 @@ class Generator::Speculation {
     sampler.backend_draw(r);
     bool drew = false;
     const int next = g_.seq_.append_sample(id, r, drew);
-    sampler.backend_done(drew);
+    sampler.backend_done(drew ? 1 : 0);
     const double s = seconds_between(t, Clock::now());
     step_s_ = step_s_ <= 0 ? s : 0.8 * step_s_ + 0.2 * s;
     return next;
@@ -284,11 +300,33 @@ class Generator::Speculation {
     }
   }
 
+  // The run's rows sampled by the backend, if it takes all of them.
+  bool start_picked(const std::vector<int>& run, const std::vector<int>& history, Sampler& picker,
+                    size_t prompt_len) {
+    const size_t V = static_cast<size_t>(g_.backend_.config().vocab_size);
+    std::vector<TokenSampling> rows;
+    std::vector<int> h = history;  // ends with run[0]
+    for (size_t i = 0; i < run.size(); ++i) {
+      if (i > 0) h.push_back(run[i]);
+      std::optional<TokenSampling> r = picker.backend_request(h, prompt_len, V);
+      if (!r || !g_.backend_.can_sample_draft(*r)) return false;
+      rows.push_back(std::move(*r));
+    }
+    picker.backend_draw(rows);
+    row_ids_.assign(run.size(), 0);
+    row_drew_.assign(run.size(), 0);
+    g_.seq_.append_draft_sample(run, rows, row_ids_.data(), row_drew_.data());
+    picker_ = &picker;
+    return true;
+  }
+
   Generator& g_;
   int max_new_;
   int max_k_ = 0, k_ = 0;
   PromptLookup lookup_;
   std::vector<int> draft_;  // the pending run's drafts
+  Sampler* picker_ = nullptr;  // set while the backend's choices for the run are pending
+  std::vector<int> row_ids_, row_drew_;
   size_t used_ = 0;         // how many of them the samples matched
   double step_s_ = 0, run_s_ = 0, gain_ = 0;
   int runs_ = 0, pause_ = 0, backoff_ = 16;
@@ -383,6 +421,8 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   // mask at that token).
   std::optional<int> next_id;
   const bool backend_picks = backend_sampling && params.top_logprobs < 0;
+  // A draft run's rows too, where no grammar may mask any of them.
+  Sampler* const run_picker = backend_picks && !grammar ? &sampler : nullptr;
   Clock::time_point t_first{};
   for (;;) {
     std::span<const float> pick_from = logits;
@@ -467,13 +507,15 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     // the logits. Otherwise settle the run (its unmatched drafts dropped)
     // and feed the token with new drafts after it, if any.
     if (spec.matched(id)) {
-      logits = std::span<const float>(buf).subspan(spec.used() * V, V);
+      if (spec.picked()) next_id = spec.row_id(spec.used());
+      else logits = std::span<const float>(buf).subspan(spec.used() * V, V);
       continue;
     }
     spec.settle(res);
     std::optional<TokenSampling> request;
-    if (spec.start(id, history, res.completion_tokens, buf)) {
-      logits = std::span<const float>(buf).first(V);
+    if (spec.start(id, history, res.completion_tokens, buf, run_picker, prompt.size())) {
+      if (spec.picked()) next_id = spec.row_id(0);
+      else logits = std::span<const float>(buf).first(V);
     } else if (backend_picks && gate != Gate::Active &&
                (request = sampler.backend_request(history, prompt.size(), V)) && backend_.can_sample(*request)) {
       next_id = spec.sampled_step(id, *request, sampler);

@@ -216,13 +216,15 @@ std::optional<TokenSampling> Sampler::backend_request(std::span<const int> histo
   return r;
 }
 
-void Sampler::backend_draw(TokenSampling& r) {
+void Sampler::backend_draw(std::span<TokenSampling> rows) {
   rng_before_draw_ = rng_;
-  r.u = params_.greedy() ? 0.0 : uniform();
+  for (TokenSampling& r : rows) r.u = params_.greedy() ? 0.0 : uniform();
 }
 
-void Sampler::backend_done(bool drew) {
-  if (!drew && !params_.greedy()) rng_ = rng_before_draw_;
+void Sampler::backend_done(int draws_used) {
+  if (params_.greedy()) return;
+  rng_ = rng_before_draw_;
+  rng_.discard(static_cast<unsigned long long>(draws_used));  // one engine output a draw (uniform())
 }
 
 void Sampler::select_top(size_t n) {

@@ -108,11 +108,15 @@ class Sampler {
   // on a logit_bias id outside the vocabulary.
   std::optional<TokenSampling> backend_request(std::span<const int> history, size_t prompt_len,
                                                size_t vocab);
-  // Puts the sample's draw into r.u (sampling; greedy draws nothing), then,
-  // once the backend has chosen, backend_done gives the draw back if the
-  // backend did not use it (a sample() that returns before drawing).
-  void backend_draw(TokenSampling& r);
-  void backend_done(bool drew);
+  // Puts the next samples' draws into rows[i].u (sampling; greedy draws
+  // nothing), one a row, as successive sample() calls would draw them; once
+  // the backend has chosen, backend_done(n) keeps the first n draws (those
+  // the choices the caller takes used) and gives the rest back: a sample()
+  // that returns before drawing, a draft run's rows past the first
+  // mismatch.
+  void backend_draw(std::span<TokenSampling> rows);
+  void backend_draw(TokenSampling& r) { backend_draw(std::span<TokenSampling>(&r, 1)); }
+  void backend_done(int draws_used);
 
  private:
   void apply_penalties(std::span<const int> history, size_t prompt_len);

@@ -53,6 +53,13 @@ std::vector<float> Sequence::append_draft(std::span<const int> tokens) {
   return logits;
 }
 
+void Sequence::append_draft_sample(std::span<const int> tokens, std::span<const TokenSampling> s, int* ids,
+                                   int* drew) {
+  check_append(tokens);
+  backend_.forward_draft_sample(*cache_, tokens, s, ids, drew);
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+}
+
 void Sequence::accept_draft(int n) {
   const int T = cache_->draft_pending();
   backend_.accept_draft(*cache_, n);

@@ -37,6 +37,9 @@ class Sequence {
   // then keeps the first n of them (1 <= n <= tokens.size()). In between,
   // only accept_draft and reset may be called.
   std::vector<float> append_draft(std::span<const int> tokens);
+  // append_draft with the rows' next tokens chosen by the backend
+  // (Backend::forward_draft_sample): ids / drew per row, no logits.
+  void append_draft_sample(std::span<const int> tokens, std::span<const TokenSampling> s, int* ids, int* drew);
   void accept_draft(int n);
   int draft_pending() const { return cache_->draft_pending(); }
 

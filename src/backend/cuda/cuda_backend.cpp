@@ -96,6 +96,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_SHORT_PDL")) o.short_pdl = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_FOLD_NORMS")) o.fold_norms = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -1422,9 +1423,11 @@ struct CudaBackend::Impl {
     LILY_CUDA(cudaMemcpyAsync(dst, logits.get(), size_t(V) * 4, cudaMemcpyDeviceToHost, stream));
   }
 
-  // Logits of every row of a chunk of T tokens into host rows dst[0, T).
+  // Logits of every row of a chunk of T tokens into host rows dst[0, T)
+  // (null: left in pLogits, T <= kLogitRows).
   void all_logits(int T, float* dst) {
     const int H = c.hidden_size, V = c.vocab_size;
+    if (!dst && (T > kLogitRows || !lm_gemm_ok)) fail("internal: logits kept on the device need the lm_head GEMM");
     if (!lm_gemm_ok) {
       for (int r = 0; r < T; ++r) row_logits(r, dst + size_t(r) * V);
       return;
@@ -1433,6 +1436,7 @@ struct CudaBackend::Impl {
     for (int r0 = 0; r0 < T; r0 += kLogitRows) {
       const int n = std::min(int(kLogitRows), T - r0);
       prefill_gemm(pw_lm, pXn.as<uint16_t>() + size_t(r0) * H, n, H, pLogits.get(), V, PrefillOut::F32, stream);
+      if (!dst) break;
       LILY_CUDA(cudaMemcpyAsync(dst + size_t(r0) * V, pLogits.get(), size_t(n) * V * 4, cudaMemcpyDeviceToHost,
                                 stream));
       LILY_CUDA(cudaStreamSynchronize(stream));  // pLogits is reused by the next rows
@@ -1474,7 +1478,7 @@ struct CudaBackend::Impl {
       marks.begin(n);
       prefill_layers(cache, pTok.as<int>() + t0, n, P0 + t0, record);
       marks.enqueued();
-      if (mode == LogitsMode::All) all_logits(n, out_logits + size_t(t0) * V);
+      if (mode == LogitsMode::All) all_logits(n, out_logits ? out_logits + size_t(t0) * V : nullptr);
       else if (t0 + n == T) row_logits(n - 1, out_logits);
       marks.mark("logits", stream);
       marks.report(n, stream);
@@ -1518,8 +1522,102 @@ struct CudaBackend::Impl {
       return false;
     }
     LILY_CUDA(cudaGraphLaunch(ex, stream));
-    LILY_CUDA(cudaMemcpyAsync(out_logits, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
+    if (out_logits)
+      LILY_CUDA(cudaMemcpyAsync(out_logits, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
     return true;
+  }
+
+  // A draft run of T tokens (2..kMaxDraftRun) with the record accept_draft
+  // needs: the states the run reads are kept, the pass runs. logits: the
+  // run's rows to the host, or null to leave them in pLogits.
+  void draft_pass(CudaCache& cache, std::span<const int> tokens, float* logits) {
+    const int T = static_cast<int>(tokens.size());
+    const int V = c.vocab_size;
+    for (int t : tokens)
+      if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
+    LILY_CUDA(cudaStreamSynchronize(stream));
+    ensure_capacity(cache, cache.n_past() + T);
+    ensure_prefill_rows(T);
+    auto& d = cache.draft;
+    const size_t L = cache.state.size();
+    d.state.resize(L);
+    d.conv.resize(L);
+    d.proj.resize(L);
+    for (size_t l = 0; l < L; ++l) {
+      if (!cache.state[l]) continue;
+      if (!d.state[l]) d.state[l].alloc(cache.state[l].bytes());
+      if (!d.conv[l]) d.conv[l].alloc(cache.conv[l].bytes());
+      const size_t pb = size_t(kMaxDraftRun) * p_ld_proj * sizeof(float);
+      if (d.proj[l].bytes() < pb) d.proj[l].alloc(pb);
+      if (T <= prefill_skinny_rows()) continue;  // the run's DeltaNet writes the copies (prefill_layers)
+      LILY_CUDA(cudaMemcpyAsync(d.state[l].get(), cache.state[l].get(), cache.state[l].bytes(),
+                                cudaMemcpyDeviceToDevice, stream));
+      LILY_CUDA(cudaMemcpyAsync(d.conv[l].get(), cache.conv[l].get(), cache.conv[l].bytes(),
+                                cudaMemcpyDeviceToDevice, stream));
+    }
+    d.p0 = cache.n_past();
+    d.tokens.assign(tokens.begin(), tokens.end());
+    prefill(cache, tokens, LogitsMode::All, logits, /*record=*/true);
+  }
+
+  // The next token of each of s.size() rows of logits (row r at r * V),
+  // chosen on the device with s[r] (sample.cu), queued after what the
+  // stream holds; ids / drew back on the host. Fails as the Sampler does on
+  // a row with no finite logit.
+  void sample_rows(std::span<const TokenSampling> s, const float* rows, int* ids, int* drew) {
+    const int R = static_cast<int>(s.size()), V = c.vocab_size;
+    const TokenSampling& s0 = s.front();
+    const int kc = s0.temperature == 0.f ? 1 : s0.top_k;
+    // Pinned: [R + 1 offsets | the rows' adjustments], then 2 R results.
+    size_t na = 0;
+    for (const TokenSampling& r : s) {
+      if (r.temperature != s0.temperature || r.top_k != s0.top_k || r.top_p != s0.top_p || r.min_p != s0.min_p ||
+          r.rep_penalty != s0.rep_penalty)
+        fail("internal: the rows of one sampling launch differ in their parameters");
+      for (size_t i = 0; i < r.adjust.size(); ++i)
+        if (r.adjust[i].id < 0 || r.adjust[i].id >= V || (i > 0 && r.adjust[i].id <= r.adjust[i - 1].id))
+          fail("internal: sampling adjustments must be distinct ascending ids inside the vocabulary");
+      na += r.adjust.size();
+    }
+    constexpr size_t kOffBytes = (cuda::kMaxSampleRows + 1) * sizeof(int);
+    const size_t up = kOffBytes + na * sizeof(LogitAdjust), res_at = (up + 15) / 16 * 16;
+    s_pinned.ensure(res_at + 2 * sizeof(int) * cuda::kMaxSampleRows);
+    int* off = s_pinned.as<int>();
+    auto* adj = reinterpret_cast<LogitAdjust*>(s_pinned.as<char>() + kOffBytes);
+    off[0] = 0;
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(adj + off[r], s[r].adjust.data(), s[r].adjust.size() * sizeof(LogitAdjust));
+      off[r + 1] = off[r] + static_cast<int>(s[r].adjust.size());
+    }
+    if (s_adjust.bytes() < up) s_adjust.alloc(up);
+    LILY_CUDA(cudaMemcpyAsync(s_adjust.get(), s_pinned.as<void>(), up, cudaMemcpyHostToDevice, stream));
+    const size_t ws = cuda::sample_workspace_bytes(V, kc, R);
+    if (s_cand.bytes() < ws) s_cand.alloc(ws);
+    if (s_out.bytes() < 2 * sizeof(int) * cuda::kMaxSampleRows) s_out.alloc(2 * sizeof(int) * cuda::kMaxSampleRows);
+    cuda::SampleArgs a;
+    a.logits = rows;
+    a.V = V;
+    a.rows = R;
+    a.row_stride = static_cast<size_t>(V);
+    a.adjust = reinterpret_cast<const LogitAdjust*>(s_adjust.as<char>() + kOffBytes);
+    a.adjust_off = s_adjust.as<int>();
+    a.rep_penalty = s0.rep_penalty;
+    a.kc = kc;
+    a.temperature = s0.temperature;
+    a.top_p = s0.top_p;
+    a.min_p = s0.min_p;
+    for (int r = 0; r < R; ++r) a.u[r] = s[r].u;
+    a.cand = s_cand.as<uint64_t>();
+    a.out = s_out.as<int>();
+    cuda::launch_sample(a, stream);
+    int* res = reinterpret_cast<int*>(s_pinned.as<char>() + res_at);
+    LILY_CUDA(cudaMemcpyAsync(res, s_out.get(), 2 * sizeof(int) * R, cudaMemcpyDeviceToHost, stream));
+    LILY_CUDA(cudaStreamSynchronize(stream));
+    for (int r = 0; r < R; ++r) {
+      if (res[2 * r + 1] & 2) fail("Sampler: no token has a finite logit");
+      ids[r] = res[2 * r];
+      drew[r] = res[2 * r + 1] & 1;
+    }
   }
 };
 
@@ -1602,26 +1700,11 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   const int V = m.c.vocab_size;
   if (!can_sample(s)) fail("internal: forward_sample with sampling the cuda backend does not take");
   if (token < 0 || token >= V) fail("token id ", token, " is outside the vocabulary [0, ", V, ")");
-  for (size_t i = 0; i < s.adjust.size(); ++i)
-    if (s.adjust[i].id < 0 || s.adjust[i].id >= V || (i > 0 && s.adjust[i].id <= s.adjust[i - 1].id))
-      fail("internal: forward_sample adjustments must be distinct ascending ids inside the vocabulary");
   LILY_CUDA(cudaStreamSynchronize(m.stream));  // earlier copies may still read the pinned staging
   m.ensure_capacity(cache, cache.n_past() + 1);
   m.ensure_graph(cache);
-  const int kc = s.temperature == 0.f ? 1 : s.top_k;
-  const size_t na = s.adjust.size(), adjust_bytes = na * sizeof(LogitAdjust);
   m.pinned.ensure(16);
   m.pinned.as<int>()[0] = token;
-  m.s_pinned.ensure(adjust_bytes + 16);
-  if (na) {
-    std::memcpy(m.s_pinned.as<char>() + 16, s.adjust.data(), adjust_bytes);
-    if (m.s_adjust.bytes() < adjust_bytes) m.s_adjust.alloc(adjust_bytes);
-    LILY_CUDA(cudaMemcpyAsync(m.s_adjust.get(), m.s_pinned.as<char>() + 16, adjust_bytes, cudaMemcpyHostToDevice,
-                              m.stream));
-  }
-  const size_t ws = cuda::sample_workspace_bytes(V, kc);
-  if (m.s_cand.bytes() < ws) m.s_cand.alloc(ws);
-  if (!m.s_out.get()) m.s_out.alloc(16);
   DecodeCtrl* ctrl = cache.dctrl();
   LILY_CUDA(cudaMemsetAsync(&ctrl->use_argmax, 0, sizeof(int), m.stream));
   LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
@@ -1632,7 +1715,8 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
     // order tells -0 from +0, the Sampler's does not, and a row with no
     // finite logit is the Sampler's error: a best logit of zero or -inf
     // (or none) goes through the sampling kernels instead.
-    auto* key = reinterpret_cast<unsigned long long*>(m.s_pinned.as<char>() + 8);
+    m.s_pinned.ensure(16);
+    auto* key = m.s_pinned.as<unsigned long long>();
     LILY_CUDA(cudaMemcpyAsync(key, &ctrl->argmax_key, sizeof *key, cudaMemcpyDeviceToHost, m.stream));
     LILY_CUDA(cudaStreamSynchronize(m.stream));
     const uint32_t hi = static_cast<uint32_t>(*key >> 32);
@@ -1642,27 +1726,42 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
       return static_cast<int>(0xffffffffu - static_cast<uint32_t>(*key));
     }
   }
-  cuda::SampleArgs a;
-  a.logits = m.logits.as<float>();
-  a.V = V;
-  a.adjust = na ? m.s_adjust.as<LogitAdjust>() : nullptr;
-  a.n_adjust = static_cast<int>(na);
-  a.rep_penalty = s.rep_penalty;
-  a.kc = kc;
-  a.temperature = s.temperature;
-  a.top_p = s.top_p;
-  a.min_p = s.min_p;
-  a.u = s.u;
-  a.cand = m.s_cand.as<uint64_t>();
-  a.out = m.s_out.as<int>();
-  cuda::launch_sample(a, m.stream);
-  int* res = m.s_pinned.as<int>();
-  LILY_CUDA(cudaMemcpyAsync(res, m.s_out.get(), 2 * sizeof(int), cudaMemcpyDeviceToHost, m.stream));
-  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  int id = 0, d = 0;
+  m.sample_rows(std::span<const TokenSampling>(&s, 1), m.logits.as<float>(), &id, &d);
   cache.advance(1);
-  if (res[1] & 2) fail("Sampler: no token has a finite logit");
-  drew = (res[1] & 1) != 0;
-  return res[0];
+  drew = d != 0;
+  return id;
+}
+
+bool CudaBackend::can_sample_draft(const TokenSampling& s) const {
+  const Impl& m = *impl_;
+  return m.opt.draft_sample && m.prefill_ok && m.opt.draft_runs && m.lm_gemm_ok && can_sample(s);
+}
+
+void CudaBackend::forward_draft_sample(SequenceCache& base, std::span<const int> tokens,
+                                       std::span<const TokenSampling> s, int* ids, int* drew) {
+  Impl& m = *impl_;
+  auto& cache = dynamic_cast<CudaCache&>(base);
+  const int T = static_cast<int>(tokens.size());
+  if (cache.draft_pending()) fail("internal: forward_draft_sample while a draft run is not yet settled");
+  if (T < 1 || static_cast<size_t>(T) != s.size() || T > kMaxDraftRun || T > cuda::kMaxSampleRows ||
+      T > m.prefill_chunk())
+    fail("internal: forward_draft_sample of ", T, " tokens with ", s.size(), " samplings");
+  for (const TokenSampling& r : s)
+    if (!can_sample_draft(r)) fail("internal: forward_draft_sample with sampling the cuda backend does not take");
+  cache.draft.active = false;
+  if (T == 1) {  // nothing to return to: a decode step
+    bool d = false;
+    ids[0] = forward_sample(cache, tokens[0], s[0], d);
+    drew[0] = d ? 1 : 0;
+    draft_begin(cache, 1);
+    return;
+  }
+  m.draft_pass(cache, tokens, nullptr);  // the rows stay in pLogits
+  m.sample_rows(s, m.pLogits.as<float>(), ids, drew);
+  cache.advance(T);
+  draft_begin(cache, T);
+  cache.draft.active = true;
 }
 
 void CudaBackend::copy_cache(const SequenceCache& src_base, SequenceCache& dst_base) {
@@ -1713,35 +1812,10 @@ void CudaBackend::forward_draft(SequenceCache& base, std::span<const int> tokens
     Backend::forward_draft(base, tokens, logits);
     return;
   }
-  const int V = m.c.vocab_size;
-  for (int t : tokens)
-    if (t < 0 || t >= V) fail("token id ", t, " is outside the vocabulary [0, ", V, ")");
-  LILY_CUDA(cudaStreamSynchronize(m.stream));
-  m.ensure_capacity(cache, cache.n_past() + T);
-  m.ensure_prefill_rows(T);
-  auto& d = cache.draft;
-  const size_t L = cache.state.size();
-  d.state.resize(L);
-  d.conv.resize(L);
-  d.proj.resize(L);
-  for (size_t l = 0; l < L; ++l) {
-    if (!cache.state[l]) continue;
-    if (!d.state[l]) d.state[l].alloc(cache.state[l].bytes());
-    if (!d.conv[l]) d.conv[l].alloc(cache.conv[l].bytes());
-    const size_t pb = size_t(kMaxDraftRun) * m.p_ld_proj * sizeof(float);
-    if (d.proj[l].bytes() < pb) d.proj[l].alloc(pb);
-    if (T <= prefill_skinny_rows()) continue;  // the run's DeltaNet writes the copies (prefill_layers)
-    LILY_CUDA(cudaMemcpyAsync(d.state[l].get(), cache.state[l].get(), cache.state[l].bytes(),
-                              cudaMemcpyDeviceToDevice, m.stream));
-    LILY_CUDA(cudaMemcpyAsync(d.conv[l].get(), cache.conv[l].get(), cache.conv[l].bytes(),
-                              cudaMemcpyDeviceToDevice, m.stream));
-  }
-  d.p0 = cache.n_past();
-  d.tokens.assign(tokens.begin(), tokens.end());
-  m.prefill(cache, tokens, LogitsMode::All, logits, /*record=*/true);
+  m.draft_pass(cache, tokens, logits);
   cache.advance(T);
   draft_begin(cache, T);
-  d.active = true;
+  cache.draft.active = true;
 }
 
 void CudaBackend::accept_draft(SequenceCache& base, int n) {

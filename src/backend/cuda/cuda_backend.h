@@ -74,6 +74,10 @@ struct CudaOptions {
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
+  // A draft run's rows sampled on the device (forward_draft_sample) rather
+  // than copied to the host: off until it has run on a GPU
+  // (LILY_CUDA_DRAFT_SAMPLE=1; docs/cuda-decode.md "v23").
+  bool draft_sample = false;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
@@ -131,6 +135,11 @@ class CudaBackend : public Backend {
   // two launches (sample.cu), 8 bytes back.
   bool can_sample(const TokenSampling& s) const override;
   int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew) override;
+  // A draft run's rows sampled where they are (the run's lm_head rows stay
+  // on the device; CudaOptions::draft_sample).
+  bool can_sample_draft(const TokenSampling& s) const override;
+  void forward_draft_sample(SequenceCache& cache, std::span<const int> tokens, std::span<const TokenSampling> s,
+                            int* ids, int* drew) override;
   static constexpr int kMaxDraftRun = 16;
 
   // ---- benchmark hooks ----

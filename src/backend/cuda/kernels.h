@@ -425,19 +425,23 @@ void launch_resident_probe(const float* x, float* y, const uint4* w, const float
 double measure_sm_clock_mhz(cudaStream_t s);
 
 // ---- On-device sampling (sample.cu; the pipeline: backend/sampling.h) --------
+constexpr int kMaxSampleRows = 16;  // rows of one launch (a draft run's)
 struct SampleArgs {
-  const float* logits = nullptr;  // the row, V logits
+  const float* logits = nullptr;  // rows x V logits, row r at r * row_stride
   int V = 0;
-  const LogitAdjust* adjust = nullptr;  // device copy, ascending ids
-  int n_adjust = 0;
+  int rows = 1;  // 1..kMaxSampleRows
+  size_t row_stride = 0;
+  const LogitAdjust* adjust = nullptr;  // device copy, ascending ids within a row
+  int n_adjust = 0;                     // one row: its adjustments
+  const int* adjust_off = nullptr;      // several rows: row r's are [adjust_off[r], adjust_off[r + 1])
   float rep_penalty = 1.f;
   int kc = 1;  // top_k, or 1 when greedy
   float temperature = 0.f, top_p = 1.f, min_p = 0.f;
-  double u = 0.0;
-  uint64_t* cand = nullptr;  // workspace: sample_workspace_bytes(V, kc)
-  int* out = nullptr;        // [0] the token, [1] 1: the draw was used, 2: no finite logit
+  double u[kMaxSampleRows] = {};  // each row's draw
+  uint64_t* cand = nullptr;  // workspace: sample_workspace_bytes(V, kc, rows)
+  int* out = nullptr;        // row r: [2r] the token, [2r + 1] 1: the draw was used, 2: no finite logit
 };
-size_t sample_workspace_bytes(int V, int kc);
+size_t sample_workspace_bytes(int V, int kc, int rows = 1);
 void launch_sample(const SampleArgs& a, cudaStream_t s);
 
 // ---- Random fills for synthetic models and benchmark caches ------------------

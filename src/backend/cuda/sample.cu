@@ -11,7 +11,8 @@
 //      the Sampler's listed path: weights in double, top_p, min_p and the
 //      draw walked sequentially in order, as the CPU walks them.
 // A block's sort and the merge see the same keys whatever the block split,
-// so the result is the top kc of the whole row.
+// so the result is the top kc of the whole row. Several rows (a draft run's)
+// go in one launch of each: blockIdx.y / blockIdx.x is the row.
 
 #include <cub/block/block_radix_sort.cuh>
 
@@ -41,23 +42,32 @@ __device__ __forceinline__ uint64_t make_key(float v, int id) {
 __device__ __forceinline__ int key_id(uint64_t k) { return int(0xffffffffu - uint32_t(k)); }
 __device__ __forceinline__ float key_value(uint64_t k) { return from_ordered(uint32_t(k >> 32)); }
 
+// A row's adjustments: [*lo, *hi) of a.adjust.
+__device__ __forceinline__ void row_adjust(const SampleArgs& a, int row, int* lo, int* hi) {
+  *lo = a.adjust_off ? a.adjust_off[row] : 0;
+  *hi = a.adjust_off ? a.adjust_off[row + 1] : a.n_adjust;
+}
+
 __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleArgs a) {
   using Sort = cub::BlockRadixSort<uint64_t, kSbThreads, kSbItems>;
   __shared__ typename Sort::TempStorage sort_tmp;
   __shared__ float vals[kSbPerBlock];
   __shared__ int first_adjust;
-  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock;
+  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+  const float* logits = a.logits + size_t(row) * a.row_stride;
+  int adj_lo, adj_hi;
+  row_adjust(a, row, &adj_lo, &adj_hi);
   for (int i = tid; i < kSbPerBlock; i += kSbThreads) {
     const int id = base + i;
     float v = -INFINITY;
     if (id < a.V) {
-      v = a.logits[id];
+      v = logits[id];
       if (v != v) v = -INFINITY;
     }
     vals[i] = v;
   }
   if (tid == 0) {  // the first adjustment at or past this block's ids
-    int lo = 0, hi = a.n_adjust;
+    int lo = adj_lo, hi = adj_hi;
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
       if (a.adjust[mid].id < base) lo = mid + 1;
@@ -66,7 +76,7 @@ __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleAr
     first_adjust = lo;
   }
   __syncthreads();
-  for (int e = first_adjust + tid; e < a.n_adjust && a.adjust[e].id < base + kSbPerBlock; e += kSbThreads) {
+  for (int e = first_adjust + tid; e < adj_hi && a.adjust[e].id < base + kSbPerBlock; e += kSbThreads) {
     const LogitAdjust j = a.adjust[e];
     if (j.id >= a.V) continue;
     float v = vals[j.id - base];
@@ -86,7 +96,7 @@ __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleAr
 #pragma unroll
   for (int i = 0; i < kSbItems; ++i) {
     const int r = tid * kSbItems + i;
-    if (r < a.kc) a.cand[size_t(blockIdx.x) * a.kc + r] = keys[i];
+    if (r < a.kc) a.cand[(size_t(row) * gridDim.x + blockIdx.x) * a.kc + r] = keys[i];
   }
 }
 
@@ -96,7 +106,9 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
   __shared__ uint64_t best[kMaxBackendTopK];
   __shared__ double w[kMaxBackendTopK];
   __shared__ int ids[kMaxBackendTopK];
-  const int tid = threadIdx.x, kc = a.kc;
+  const int tid = threadIdx.x, kc = a.kc, row = blockIdx.x;
+  const uint64_t* cand = a.cand + size_t(row) * n_cand;
+  int* out = a.out + 2 * row;
   if (tid < kc) best[tid] = 0ull;
   __syncthreads();
   // Rounds of kSpKeys keys: the best kc so far, then the next candidates.
@@ -105,7 +117,7 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
 #pragma unroll
     for (int i = 0; i < kSpItems; ++i) {
       const int s = tid * kSpItems + i;
-      keys[i] = s < kc ? best[s] : (c0 + s - kc < n_cand ? a.cand[c0 + s - kc] : 0ull);
+      keys[i] = s < kc ? best[s] : (c0 + s - kc < n_cand ? cand[c0 + s - kc] : 0ull);
     }
     __syncthreads();  // every thread has read best[]
     Sort(sort_tmp).SortDescending(keys);
@@ -118,8 +130,8 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
   }
   const float top = key_value(best[0]);
   if (tid == 0) {
-    a.out[0] = key_id(best[0]);
-    a.out[1] = top > -INFINITY ? 0 : 2;  // 2: no finite logit
+    out[0] = key_id(best[0]);
+    out[1] = top > -INFINITY ? 0 : 2;  // 2: no finite logit
   }
   if (a.temperature == 0.f || !(top > -INFINITY) || isinf(top)) return;
   const double inv_t = 1.0 / double(a.temperature);
@@ -153,7 +165,7 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
   }
   double total = 0.0;
   for (int i = 0; i < n; ++i) total += w[i];
-  const double u = a.u * total;
+  const double u = a.u[row] * total;
   double mass = 0.0;
   int last = key_id(best[0]);
   for (int i = 0; i < n; ++i) {
@@ -162,14 +174,14 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
     last = ids[i];
     if (u < mass) break;
   }
-  a.out[0] = last;
-  a.out[1] = 1;  // the draw was used
+  out[0] = last;
+  out[1] = 1;  // the draw was used
 }
 
 }  // namespace
 
-size_t sample_workspace_bytes(int V, int kc) {
-  return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * sizeof(uint64_t);
+size_t sample_workspace_bytes(int V, int kc, int rows) {
+  return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * size_t(rows) * sizeof(uint64_t);
 }
 
 void launch_sample(const SampleArgs& a, cudaStream_t s) {
@@ -177,11 +189,15 @@ void launch_sample(const SampleArgs& a, cudaStream_t s) {
   if (a.kc < 1 || a.kc > kMaxBackendTopK || a.kc > kSpKeys / 2)
     fail("launch_sample: top_k of ", a.kc, " (1..", kMaxBackendTopK, ")");
   if (a.temperature != 0.f && a.kc >= a.V) fail("launch_sample: top_k of ", a.kc, " is not below the vocabulary");
-  if (a.n_adjust < 0 || (a.n_adjust > 0 && !a.adjust)) fail("launch_sample: adjustments without a buffer");
+  if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_sample: ", a.rows, " rows (1..", kMaxSampleRows, ")");
+  if (a.rows > 1 && (!a.adjust_off || a.row_stride < size_t(a.V)))
+    fail("launch_sample: several rows need their adjustment offsets and a row stride of at least V");
+  if (a.n_adjust < 0 || ((a.n_adjust > 0 || a.adjust_off) && !a.adjust))
+    fail("launch_sample: adjustments without a buffer");
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
-  sample_block_kernel<<<blocks, kSbThreads, 0, s>>>(a);
+  sample_block_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a);
   check_launch("sample_block_kernel");
-  sample_pick_kernel<<<1, kSpThreads, 0, s>>>(a, blocks * a.kc);
+  sample_pick_kernel<<<a.rows, kSpThreads, 0, s>>>(a, blocks * a.kc);
   check_launch("sample_pick_kernel");
 }
 
