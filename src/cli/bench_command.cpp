@@ -635,46 +635,82 @@ nlohmann::ordered_json bench_draft(std::unique_ptr<ModelWeights> w, const Setup&
   j["model"] = s.model_desc;
   j["backend"] = b->name();
   j["method"] = "forward_draft of T random tokens + accept_draft(T) or (1), against a 1-token forward; medians of "
-                "alternating repeats after a prefill of ctx random tokens";
+                "alternating repeats after a prefill of ctx random tokens; picked_*: the same with the rows' (and "
+                "the step's) greedy tokens chosen by the backend (forward_draft_sample, forward_sample)";
   j["max_draft_run"] = b->max_draft_run();
+  // Where the backend samples a run's rows itself (greedy here), the same
+  // runs that way too, against a step that samples itself: only ids come
+  // back instead of rows of logits.
+  TokenSampling greedy;
+  const bool sampled = b->can_sample(greedy) && b->can_sample_draft(greedy);
+  j["rows_sampled_on_backend"] = sampled;
   std::printf("draft runs: backend %s (max run %d), %s\n\n", b->name().c_str(), b->max_draft_run(),
               s.model_desc.c_str());
-  std::printf("%8s %4s %10s %12s %8s %12s %8s\n", "ctx", "T", "step ms", "run+keep all", "x step", "run+keep 1",
+  std::printf("%8s %4s %10s %12s %8s %12s %8s", "ctx", "T", "step ms", "run+keep all", "x step", "run+keep 1",
               "x step");
+  if (sampled) std::printf(" %12s %12s %8s", "step+pick ms", "run+pick all", "x step");
+  std::printf("\n");
   std::mt19937 rng(static_cast<uint32_t>(s.seed));
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   int max_run = 1;
   for (int T : runs) max_run = std::max(max_run, T);
   for (int ctx : s.ctxs) {
-    auto cache = b->new_cache(ctx + (s.warmup + s.repeats) * (2 * max_run + 2) * static_cast<int>(runs.size()) + 8);
+    auto cache = b->new_cache(ctx + (s.warmup + s.repeats) * (3 * max_run + 3) * static_cast<int>(runs.size()) + 8);
     std::vector<float> logits(static_cast<size_t>(max_run) * V);
     forward_ms(*b, *cache, random_prompt(rng, std::max(ctx, 1), V), logits.data());
     for (int T : runs) {
-      std::vector<double> step, all, one;
+      std::vector<double> step, all, one, pstep, pall;
       for (int r = 0; r < s.warmup + s.repeats; ++r) {
         const std::vector<int> t1 = random_prompt(rng, 1, V), run = random_prompt(rng, T, V);
         const double st = forward_ms(*b, *cache, t1, logits.data());
+        auto since = [](std::chrono::steady_clock::time_point t0) {
+          return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        };
         auto timed = [&](int keep) {
           const auto t0 = std::chrono::steady_clock::now();
           b->forward_draft(*cache, run, logits.data());
           b->accept_draft(*cache, keep);
-          return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+          return since(t0);
         };
         const double a = timed(T), o = timed(1);
+        double ps = 0, pa = 0;
+        if (sampled) {
+          bool drew = false;
+          auto t0 = std::chrono::steady_clock::now();
+          b->forward_sample(*cache, t1[0], greedy, drew);
+          ps = since(t0);
+          const std::vector<TokenSampling> each(static_cast<size_t>(T), greedy);
+          std::vector<int> ids(static_cast<size_t>(T)), drews(static_cast<size_t>(T));
+          t0 = std::chrono::steady_clock::now();
+          b->forward_draft_sample(*cache, run, each, ids.data(), drews.data());
+          b->accept_draft(*cache, T);
+          pa = since(t0);
+        }
         if (r < s.warmup) continue;
         step.push_back(st);
         all.push_back(a);
         one.push_back(o);
+        pstep.push_back(ps);
+        pall.push_back(pa);
       }
       const double ms = median(step), ma = median(all), mo = median(one);
-      std::printf("%8d %4d %10.3f %12.3f %8.2f %12.3f %8.2f\n", ctx, T, ms, ma, ma / ms, mo, mo / ms);
-      rows.push_back({{"ctx", ctx},
-                      {"run_tokens", T},
-                      {"step_ms", ms},
-                      {"run_keep_all_ms", ma},
-                      {"run_keep_one_ms", mo},
-                      {"keep_all_steps", ma / ms},
-                      {"keep_one_steps", mo / ms}});
+      std::printf("%8d %4d %10.3f %12.3f %8.2f %12.3f %8.2f", ctx, T, ms, ma, ma / ms, mo, mo / ms);
+      nlohmann::ordered_json row = {{"ctx", ctx},
+                                    {"run_tokens", T},
+                                    {"step_ms", ms},
+                                    {"run_keep_all_ms", ma},
+                                    {"run_keep_one_ms", mo},
+                                    {"keep_all_steps", ma / ms},
+                                    {"keep_one_steps", mo / ms}};
+      if (sampled) {
+        const double mps = median(pstep), mpa = median(pall);
+        std::printf(" %12.3f %12.3f %8.2f", mps, mpa, mpa / mps);
+        row["picked_step_ms"] = mps;
+        row["picked_run_keep_all_ms"] = mpa;
+        row["picked_keep_all_steps"] = mpa / mps;
+      }
+      std::printf("\n");
+      rows.push_back(std::move(row));
     }
   }
   j["results"] = rows;
