@@ -19,6 +19,7 @@
 #include "cuda_test_util.h"
 #include "engine/generator.h"
 #include "engine/sampler.h"
+#include "engine_test_util.h"
 #include "fixture_util.h"
 
 namespace lily {
@@ -204,13 +205,7 @@ TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
   int drafted = 0, accepted = 0, runs_on_device = 0;
   for (unsigned seed = 1; seed <= 3; ++seed)
     for (float temperature : {0.f, 0.9f}) {
-      std::mt19937 rng(seed);
-      std::uniform_int_distribution<int> tok(0, V - 1);
-      std::vector<int> part(12);
-      for (int& t : part) t = tok(rng);
-      engine::GenerationParams p;
-      for (int r = 0; r < 3; ++r) p.prompt.insert(p.prompt.end(), part.begin(), part.end());
-      for (int i = 0; i < 4; ++i) p.sampling.logit_bias.push_back({part[i], 3.f});
+      engine::GenerationParams p = test::looping_prompt(V, seed);
       p.sampling.temperature = temperature;
       p.sampling.top_k = 40;
       p.sampling.presence_penalty = 0.3f;

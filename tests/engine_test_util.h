@@ -5,9 +5,12 @@
 
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
+#include "engine/generator.h"
 #include "fixture_util.h"
 #include "text/tokenizer.h"
 
@@ -28,6 +31,20 @@ inline Backend& fixture_backend(const std::string& fixture) {
     b = make_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;
+}
+
+// A prompt that repeats a random 12-token part three times, the part's
+// first 4 tokens made likelier (logit_bias): its output loops, so prompt
+// lookup finds drafts, some taken and some refused.
+inline engine::GenerationParams looping_prompt(int V, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> d(0, V - 1);
+  std::vector<int> part(12);
+  for (int& t : part) t = d(rng);
+  engine::GenerationParams p;
+  for (int r = 0; r < 3; ++r) p.prompt.insert(p.prompt.end(), part.begin(), part.end());
+  for (int i = 0; i < 4; ++i) p.sampling.logit_bias.push_back({part[i], 3.f});
+  return p;
 }
 
 }  // namespace lily::test

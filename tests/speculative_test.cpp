@@ -219,17 +219,6 @@ Out gen(engine::Generator& g, engine::GenerationParams p) {
 // A prompt that repeats itself and a bias towards four of its tokens, so
 // that the tiny random models' output falls into loops (part of which the
 // drafts from the prompt and the output foresee, part not).
-engine::GenerationParams looping(int V, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> d(0, V - 1);
-  std::vector<int> part(12);
-  for (int& t : part) t = d(rng);
-  engine::GenerationParams p;
-  for (int r = 0; r < 3; ++r) p.prompt.insert(p.prompt.end(), part.begin(), part.end());
-  for (int i = 0; i < 4; ++i) p.sampling.logit_bias.push_back({part[i], 3.f});
-  return p;
-}
-
 class SpeculativeGenerator : public ::testing::TestWithParam<std::string> {};
 
 // Greedy and seeded sampling give the same tokens with drafts as without;
@@ -245,7 +234,7 @@ TEST_P(SpeculativeGenerator, SameTokensAsWithoutDrafts) {
   int drafted = 0, accepted = 0;
   for (unsigned seed = 1; seed <= 3; ++seed) {
     for (float temperature : {0.f, 0.9f}) {
-      engine::GenerationParams p = looping(V, seed);
+      engine::GenerationParams p = test::looping_prompt(V, seed);
       p.sampling.temperature = temperature;
       p.sampling.seed = seed;
       p.sampling.has_seed = true;
@@ -284,7 +273,7 @@ TEST_P(SpeculativeGenerator, SameTokensAsWithoutDrafts) {
 TEST_P(SpeculativeGenerator, EndsInsideARunAsWithoutDrafts) {
   Backend& b = backend_for(GetParam());
   const int V = b.config().vocab_size;
-  engine::GenerationParams p = looping(V, 2);
+  engine::GenerationParams p = test::looping_prompt(V, 2);
   p.sampling.temperature = 0;
   p.max_tokens = 30;
   engine::Generator plain(b, tokenizer(), 512);
