@@ -34,14 +34,18 @@ struct DevicePick {
 
 DevicePick device_pick(const std::vector<float>& logits, const TokenSampling& r) {
   const int V = static_cast<int>(logits.size());
-  DeviceBuffer dl, da, dc(cuda::sample_workspace_bytes(V, r.temperature == 0.f ? 1 : r.top_k)), dout(16);
+  DeviceBuffer dl, da, doff, dc(cuda::sample_workspace_bytes(V, r.temperature == 0.f ? 1 : r.top_k)), dout(16);
   cuda::upload(dl, logits.data(), logits.size());
-  if (!r.adjust.empty()) cuda::upload(da, r.adjust.data(), r.adjust.size());
+  const int off[2] = {0, static_cast<int>(r.adjust.size())};
+  if (!r.adjust.empty()) {
+    cuda::upload(da, r.adjust.data(), r.adjust.size());
+    cuda::upload(doff, off, 2);
+  }
   cuda::SampleArgs a;
   a.logits = dl.as<float>();
   a.V = V;
   a.adjust = r.adjust.empty() ? nullptr : da.as<LogitAdjust>();
-  a.n_adjust = static_cast<int>(r.adjust.size());
+  a.adjust_off = r.adjust.empty() ? nullptr : doff.as<int>();
   a.rep_penalty = r.rep_penalty;
   a.kc = r.temperature == 0.f ? 1 : r.top_k;
   a.temperature = r.temperature;

@@ -432,8 +432,7 @@ struct SampleArgs {
   int rows = 1;  // 1..kMaxSampleRows
   size_t row_stride = 0;
   const LogitAdjust* adjust = nullptr;  // device copy, ascending ids within a row
-  int n_adjust = 0;                     // one row: its adjustments
-  const int* adjust_off = nullptr;      // several rows: row r's are [adjust_off[r], adjust_off[r + 1])
+  const int* adjust_off = nullptr;      // row r's are [adjust_off[r], adjust_off[r + 1]); null: none
   float rep_penalty = 1.f;
   int kc = 1;  // top_k, or 1 when greedy
   float temperature = 0.f, top_p = 1.f, min_p = 0.f;
