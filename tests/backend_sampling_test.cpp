@@ -36,20 +36,50 @@ int reference_pick(const std::vector<float>& row, const TokenSampling& r, bool& 
   }
   std::vector<int> order(static_cast<size_t>(V));
   for (int i = 0; i < V; ++i) order[static_cast<size_t>(i)] = i;
-  const int k = r.temperature == 0.f ? 1 : r.top_k;
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+  auto better = [&](int a, int b) {
     return w[static_cast<size_t>(a)] > w[static_cast<size_t>(b)] || (w[static_cast<size_t>(a)] == w[static_cast<size_t>(b)] && a < b);
-  });
+  };
+  const bool whole = r.temperature != 0.f && r.top_k == 0;
+  const int k = r.temperature == 0.f ? 1 : whole ? V : r.top_k;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), better);
   order.resize(static_cast<size_t>(k));
   drew = false;
   const float top = w[static_cast<size_t>(order[0])];
   if (!(top > -std::numeric_limits<float>::infinity())) throw std::runtime_error("no finite logit");
   if (r.temperature == 0.f || std::isinf(top)) return order[0];
   const double inv_t = 1.0 / static_cast<double>(r.temperature);
+  auto weight = [&](int id) { return std::exp((static_cast<double>(w[static_cast<size_t>(id)]) - top) * inv_t); };
+  if (whole) {  // the walk's order: every id in id order, or top_p's buckets
+    double total = 0;
+    for (int i = 0; i < V; ++i) total += weight(i);
+    std::vector<int> lower, crossing, dropped;
+    if (r.top_p < 1.f) {
+      const double target = static_cast<double>(r.top_p) * total;
+      auto bucket = [&](int id) {
+        const double d = (static_cast<double>(top) - w[static_cast<size_t>(id)]) * inv_t * 8.0;
+        return d < 511 ? static_cast<int>(d) : 511;
+      };
+      std::vector<double> mass(512, 0.0);
+      for (int i = 0; i < V; ++i) mass[static_cast<size_t>(bucket(i))] += weight(i);
+      int cross = 0;
+      double before = 0;
+      while (cross < 511 && before + mass[static_cast<size_t>(cross)] < target) before += mass[static_cast<size_t>(cross++)];
+      for (int i = 0; i < V; ++i)
+        (bucket(i) < cross ? lower : bucket(i) == cross ? crossing : dropped).push_back(i);
+      std::sort(crossing.begin(), crossing.end(), better);
+      size_t kept = 0;
+      for (; kept < crossing.size() && before < target; ++kept) before += weight(crossing[kept]);
+      crossing.resize(kept);
+    } else {
+      for (int i = 0; i < V; ++i) lower.push_back(i);
+    }
+    order = lower;
+    order.insert(order.end(), crossing.begin(), crossing.end());
+  }
   std::vector<double> p;
-  for (int id : order) p.push_back(std::exp((static_cast<double>(w[static_cast<size_t>(id)]) - top) * inv_t));
+  for (int id : order) p.push_back(weight(id));
   size_t n = p.size();
-  if (r.top_p < 1.f) {
+  if (r.top_p < 1.f && !whole) {
     double total = 0;
     for (size_t i = 0; i < n; ++i) total += p[i];
     const double target = static_cast<double>(r.top_p) * total;
@@ -87,8 +117,8 @@ engine::SamplingParams random_params(std::mt19937& rng, int V) {
   engine::SamplingParams p;
   const float temps[] = {0.f, 0.3f, 0.7f, 1.f, 1.5f, 8.f};
   p.temperature = temps[pick(rng)];
-  const int ks[] = {1, 5, 20, 40, 100, 128};
-  p.top_k = ks[pick(rng)];
+  const int ks[] = {1, 5, 20, 40, 100, 128, 0, 0};  // 0: the whole vocabulary
+  p.top_k = ks[std::uniform_int_distribution<int>(0, 7)(rng)];
   const float tps[] = {1.f, 1.f, 0.95f, 0.8f, 0.5f, 0.1f};
   p.top_p = tps[pick(rng)];
   const float mps[] = {0.f, 0.f, 0.f, 0.02f, 0.1f, 0.5f};
@@ -153,12 +183,14 @@ TEST(BackendSampling, TheFoldedRequestPicksWhatSamplePicks) {
 TEST(BackendSampling, RequestsOnlyWhatABackendTakes) {
   engine::SamplingParams p;
   p.temperature = 0.7f;
-  p.top_k = 0;  // the whole vocabulary: stays on the host
+  p.top_k = 0;  // the whole vocabulary
+  ASSERT_TRUE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  EXPECT_EQ(engine::Sampler(p).backend_request({}, 0, 1000)->top_k, 0);
+  p.top_k = kMaxBackendTopK + 1;  // a list longer than a backend keeps: stays on the host
   EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
-  p.top_k = kMaxBackendTopK + 1;
-  EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
-  p.top_k = 1000;  // not below the vocabulary
-  EXPECT_FALSE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  p.top_k = 1000;  // not below the vocabulary: all of it
+  ASSERT_TRUE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
+  EXPECT_EQ(engine::Sampler(p).backend_request({}, 0, 1000)->top_k, 0);
   p.top_k = 20;
   EXPECT_TRUE(engine::Sampler(p).backend_request({}, 0, 1000).has_value());
   p.temperature = 0.f;

@@ -96,6 +96,13 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
       {1.5f, 128, 0.95f, 0.02f, 1.1f, 0.3f, -0.4f, 6},
       {0.3f, 7, 0.5f, 0.f, 0.9f, -1.f, 1.f, 3},
       {20.f, 100, 1.f, 0.f, 1.f, 0.f, 0.f, 0},    // nearly flat: the walk goes deep
+      // top_k 0: the whole vocabulary (sample.cu's wv_* kernels)
+      {1.f, 0, 1.f, 0.f, 1.f, 0.f, 0.f, 0},       // temperature only: the walk in id order
+      {0.7f, 0, 0.8f, 0.f, 1.f, 0.f, 0.f, 0},     // top_p
+      {1.f, 0, 1.f, 0.05f, 1.f, 0.f, 0.f, 0},     // min_p only
+      {1.5f, 0, 0.95f, 0.02f, 1.1f, 0.3f, -0.4f, 6},
+      {0.05f, 0, 0.5f, 0.f, 1.f, 0.f, 0.f, 2},    // peaked: the crossing bucket is the first
+      {20.f, 0, 0.9f, 0.f, 1.f, 0.f, 0.f, 0},     // nearly flat: tens of thousands cross
   };
   std::mt19937 rng(1234);
   int compared = 0, drew = 0;
@@ -124,7 +131,10 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
         }
         engine::Sampler cpu(p), dev(p);
         for (int step = 0; step < 2; ++step) {  // two draws: the streams must stay in step
-          const std::vector<float> row = random_row(V, rng, trial % 2 == 1);
+          std::vector<float> row = random_row(V, rng, trial % 2 == 1);
+          if (trial % 3 == 2)  // values on a coarse grid: many exact ties across the buckets
+            for (float& x : row)
+              if (std::isfinite(x)) x = std::round(x * 2.f) / 2.f;
           const int want = cpu.sample(row, history, 50);
           std::optional<TokenSampling> r = dev.backend_request(history, 50, static_cast<size_t>(V));
           ASSERT_TRUE(r.has_value());
@@ -188,11 +198,15 @@ TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
   topk.logit_bias = {{3, 2.f}, {11, -50.f}};
   topk.has_seed = true;
   topk.seed = 99;
+  engine::SamplingParams whole = topk;  // no top_k: the whole vocabulary
+  whole.top_k = 0;
+  whole.min_p = 0.01f;
   ASSERT_TRUE(b->can_sample(*engine::Sampler(topk).backend_request({}, 0, b->config().vocab_size)));
-  for (const auto& s : {greedy, topk}) {
+  ASSERT_TRUE(b->can_sample(*engine::Sampler(whole).backend_request({}, 0, b->config().vocab_size)));
+  for (const auto& s : {greedy, topk, whole}) {
     const std::vector<int> host = generate(*b, false, s, 48), dev = generate(*b, true, s, 48);
     ASSERT_EQ(host.size(), 48u);
-    EXPECT_EQ(dev, host) << "temperature " << s.temperature;
+    EXPECT_EQ(dev, host) << "temperature " << s.temperature << " top_k " << s.top_k;
   }
 }
 
@@ -211,7 +225,8 @@ TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
     for (float temperature : {0.f, 0.9f}) {
       engine::GenerationParams p = test::looping_prompt(V, seed);
       p.sampling.temperature = temperature;
-      p.sampling.top_k = 40;
+      p.sampling.top_k = seed == 3 ? 0 : 40;  // 0: the whole vocabulary
+      p.sampling.top_p = 0.95f;
       p.sampling.presence_penalty = 0.3f;
       p.sampling.seed = seed;
       p.sampling.has_seed = true;

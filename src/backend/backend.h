@@ -94,8 +94,9 @@ class Backend {
   // from the step's own logits (backend/sampling.h): only the id comes
   // back. `drew` tells whether the draw s.u was used (sampling with a
   // finite best logit), as engine::Sampler would have drawn. can_sample
-  // says whether this backend takes `s` at all; the default takes nothing
-  // and forward_sample fails.
+  // says whether this backend takes `s` at all, from its parameters alone
+  // (not its adjustments: the engine asks once a generation); the default
+  // takes nothing and forward_sample fails.
   virtual bool can_sample(const TokenSampling& s) const;
   virtual int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew);
   // forward_draft whose rows the backend samples itself: row i (the token

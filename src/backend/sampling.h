@@ -14,7 +14,16 @@
 //   double, top_p over them in that order, then min_p, then the draw u in
 //   [0, 1) walked in the same order: the Sampler's "listed" path step for
 //   step, so the same draw picks the same token (up to last-bit
-//   differences between the two exp implementations).
+//   differences between the two exp implementations);
+//   or, with top_k 0, the Sampler's path over the whole vocabulary: the
+//   weights of every id; top_p by buckets of an eighth of a nat of
+//   (max - work) / temperature (512, the last open), every id of the
+//   buckets before the one where the mass reaches top_p x total kept, and
+//   of that one the best while the mass before them is below the target;
+//   then min_p; the draw walks the earlier buckets' ids in id order, then
+//   the crossing bucket's best first (without top_p: every id in id
+//   order). The same draw picks the same token up to last-bit differences
+//   of the sums, which a backend may add in another order.
 // Plain structs: included by the CUDA sources (C++17) as well.
 #pragma once
 
@@ -33,7 +42,7 @@ struct LogitAdjust {
 
 struct TokenSampling {
   float temperature = 0.f;  // 0: greedy
-  int top_k = 1;            // sampling: 1 <= top_k < vocabulary (greedy ignores it)
+  int top_k = 1;            // sampling: 1 <= top_k < vocabulary, or 0: all of it (greedy ignores it)
   float top_p = 1.f;
   float min_p = 0.f;
   float rep_penalty = 1.f;  // for the kRep entries

@@ -420,7 +420,13 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   // back): only where nothing needs the row itself (no logprobs, no grammar
   // mask at that token).
   std::optional<int> next_id;
-  const bool backend_picks = backend_sampling && params.top_logprobs < 0;
+  // Whether the backend takes these parameters is asked once (can_sample
+  // looks at the parameters, not at a history's adjustments).
+  const bool backend_picks = [&] {
+    if (!backend_sampling || params.top_logprobs >= 0) return false;
+    const std::optional<TokenSampling> probe = sampler.backend_request({}, 0, V);
+    return probe && backend_.can_sample(*probe);
+  }();
   // A draft run's rows too, where no grammar may mask any of them.
   Sampler* const run_picker = backend_picks && !grammar ? &sampler : nullptr;
   Clock::time_point t_first{};

@@ -169,11 +169,11 @@ float Sampler::penalty_sub(float count) const {
 std::optional<TokenSampling> Sampler::backend_request(std::span<const int> history, size_t prompt_len,
                                                       size_t vocab) {
   const SamplingParams& p = params_;
-  if (!p.greedy() && (p.top_k <= 0 || p.top_k > kMaxBackendTopK || static_cast<size_t>(p.top_k) >= vocab))
-    return std::nullopt;
+  const bool whole = p.top_k <= 0 || static_cast<size_t>(p.top_k) >= vocab;
+  if (!p.greedy() && !whole && p.top_k > kMaxBackendTopK) return std::nullopt;
   TokenSampling r;
   r.temperature = p.temperature;
-  r.top_k = p.greedy() ? 1 : p.top_k;
+  r.top_k = p.greedy() ? 1 : whole ? 0 : p.top_k;
   r.top_p = p.top_p;
   r.min_p = p.min_p;
   r.rep_penalty = p.repetition_penalty;

@@ -102,10 +102,11 @@ class Sampler {
   // The same choice made by the backend from its own logits
   // (Backend::forward_sample; backend/sampling.h): the request for this
   // history, the adjustments folded from logit_bias and the penalties in
-  // sample()'s arithmetic. nullopt where the backend's pipeline does not
-  // cover the parameters (sampling without top_k, or top_k above
-  // kMaxBackendTopK or not below the vocabulary). Fails as sample() would
-  // on a logit_bias id outside the vocabulary.
+  // sample()'s arithmetic; sampling without top_k (or with top_k not below
+  // the vocabulary) asks for the whole vocabulary (top_k 0). nullopt where
+  // the backend's pipeline does not cover the parameters (top_k above
+  // kMaxBackendTopK and below the vocabulary). Fails as sample() would on a
+  // logit_bias id outside the vocabulary.
   std::optional<TokenSampling> backend_request(std::span<const int> history, size_t prompt_len,
                                                size_t vocab);
   // Puts the next samples' draws into rows[i].u (sampling; greedy draws

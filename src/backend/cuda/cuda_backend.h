@@ -75,9 +75,9 @@ struct CudaOptions {
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
   // A draft run's rows sampled on the device (forward_draft_sample) rather
-  // than copied to the host: off until it has run on a GPU
-  // (LILY_CUDA_DRAFT_SAMPLE=1; docs/cuda-decode.md "v23").
-  bool draft_sample = false;
+  // than copied to the host (LILY_CUDA_DRAFT_SAMPLE=0 turns it off;
+  // docs/cuda-decode.md "v23").
+  bool draft_sample = true;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,

@@ -434,10 +434,10 @@ struct SampleArgs {
   const LogitAdjust* adjust = nullptr;  // device copy, ascending ids within a row
   const int* adjust_off = nullptr;      // row r's are [adjust_off[r], adjust_off[r + 1]); null: none
   float rep_penalty = 1.f;
-  int kc = 1;  // top_k, or 1 when greedy
+  int kc = 1;  // top_k, or 1 when greedy; 0: sampling over the whole vocabulary
   float temperature = 0.f, top_p = 1.f, min_p = 0.f;
   double u[kMaxSampleRows] = {};  // each row's draw
-  uint64_t* cand = nullptr;  // workspace: sample_workspace_bytes(V, kc, rows)
+  uint64_t* cand = nullptr;  // workspace: sample_workspace_bytes(V, kc, rows) bytes
   int* out = nullptr;        // row r: [2r] the token, [2r + 1] 1: the draw was used, 2: no finite logit
 };
 size_t sample_workspace_bytes(int V, int kc, int rows = 1);

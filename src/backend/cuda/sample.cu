@@ -14,7 +14,11 @@
 // so the result is the top kc of the whole row. Several rows (a draft run's)
 // go in one launch of each: blockIdx.y / blockIdx.x is the row.
 
+#include <climits>
+
 #include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "backend/cuda/device_common.cuh"
 #include "backend/cuda/kernels.h"
@@ -48,16 +52,15 @@ __device__ __forceinline__ void row_adjust(const SampleArgs& a, int row, int* lo
   *hi = a.adjust_off ? a.adjust_off[row + 1] : 0;
 }
 
-__global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleArgs a) {
-  using Sort = cub::BlockRadixSort<uint64_t, kSbThreads, kSbItems>;
-  __shared__ typename Sort::TempStorage sort_tmp;
-  __shared__ float vals[kSbPerBlock];
-  __shared__ int first_adjust;
-  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+// The block's kSbPerBlock logits of `row` from `base` into vals: NaN as
+// -inf, the row's listed adjustments applied in the Sampler's order, -inf
+// past the row. Ends with a barrier.
+__device__ void load_adjusted(const SampleArgs& a, int row, int base, float* vals, int* first_adjust) {
+  const int tid = threadIdx.x;
   const float* logits = a.logits + size_t(row) * a.row_stride;
   int adj_lo, adj_hi;
   row_adjust(a, row, &adj_lo, &adj_hi);
-  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {
+  for (int i = tid; i < kSbPerBlock; i += blockDim.x) {
     const int id = base + i;
     float v = -INFINITY;
     if (id < a.V) {
@@ -73,10 +76,10 @@ __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleAr
       if (a.adjust[mid].id < base) lo = mid + 1;
       else hi = mid;
     }
-    first_adjust = lo;
+    *first_adjust = lo;
   }
   __syncthreads();
-  for (int e = first_adjust + tid; e < adj_hi && a.adjust[e].id < base + kSbPerBlock; e += kSbThreads) {
+  for (int e = *first_adjust + tid; e < adj_hi && a.adjust[e].id < base + kSbPerBlock; e += blockDim.x) {
     const LogitAdjust j = a.adjust[e];
     if (j.id >= a.V) continue;
     float v = vals[j.id - base];
@@ -86,6 +89,15 @@ __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleAr
     vals[j.id - base] = v;
   }
   __syncthreads();
+}
+
+__global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleArgs a) {
+  using Sort = cub::BlockRadixSort<uint64_t, kSbThreads, kSbItems>;
+  __shared__ typename Sort::TempStorage sort_tmp;
+  __shared__ float vals[kSbPerBlock];
+  __shared__ int first_adjust;
+  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+  load_adjusted(a, row, base, vals, &first_adjust);
   uint64_t keys[kSbItems];
 #pragma unroll
   for (int i = 0; i < kSbItems; ++i) {
@@ -178,21 +190,454 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
   out[1] = 1;  // the draw was used
 }
 
+
+// ---- The whole vocabulary (kc 0: sampling without top_k) -------------------
+// The Sampler's unlisted path (engine/sampler.cpp), on every id of the row:
+//   weights w = exp((work - max) / T) in double; with top_p, the ids bucketed
+//   by (max - work) / T in eighths of a nat (512 buckets, the last one open),
+//   the bucket where the mass reaches top_p x total is the crossing one:
+//   every id of an earlier bucket is kept, and of the crossing bucket the
+//   best ones (by value, lower id first) while the mass before them is below
+//   the target; min_p then drops the kept ids with w < min_p; the draw walks
+//   the earlier buckets' ids in id order, then the crossing ones best first.
+// Five launches:
+//   wv_max    (grid blocks x rows): the adjusted row to the workspace, each
+//             block's best key;
+//   wv_weigh  (same grid): each block's total weight and bucket masses;
+//   wv_cross  (a block a row): the crossing bucket and the mass before it;
+//   wv_split  (same grid as wv_max): each block's kept weight outside the
+//             crossing bucket, the crossing ids listed with their weights;
+//   wv_pick   (a block a row): the last crossing id top_p keeps and the draw,
+//             both by a weighted radix select over the list (most valuable
+//             digit first), or by a scan of one block's ids in id order.
+// The sums run in other orders than the CPU's (blocks, then the blocks'
+// totals): the same draw picks the same token up to last-bit differences of
+// the double sums and of the two exp implementations.
+constexpr int kWvBuckets = 512;
+constexpr double kWvPerNat = 8.0;
+constexpr int kWpThreads = 1024;
+
+struct WvRow {
+  uint64_t best;  // the largest key: the max value, its lowest id
+  int cross;      // the crossing bucket (kWvBuckets: none, every id outside it)
+  int n;          // crossing ids listed
+  double before;  // the mass of the buckets before `cross`
+  double target;  // top_p x the row's total weight
+};
+struct WvItem {
+  uint64_t key;
+  double w;
+};
+struct WvSpace {
+  float* adj;      // rows x V adjusted logits
+  uint64_t* bkey;  // rows x blocks
+  double* btot;    // rows x blocks
+  double* bhist;   // rows x blocks x kWvBuckets
+  double* bkept;   // rows x blocks
+  WvRow* rows;     // rows
+  WvItem* items;   // rows x V
+};
+
+struct WvLayout {
+  size_t adj, bkey, btot, bhist, bkept, rows, items, bytes;
+};
+WvLayout wv_layout(int V, int R) {
+  const size_t nb = size_t((V + kSbPerBlock - 1) / kSbPerBlock), r = size_t(R), v = size_t(V);
+  WvLayout L{};
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t o = at;
+    at = (at + bytes + 255) / 256 * 256;
+    return o;
+  };
+  L.adj = take(r * v * sizeof(float));
+  L.bkey = take(r * nb * sizeof(uint64_t));
+  L.btot = take(r * nb * sizeof(double));
+  L.bhist = take(r * nb * kWvBuckets * sizeof(double));
+  L.bkept = take(r * nb * sizeof(double));
+  L.rows = take(r * sizeof(WvRow));
+  L.items = take(r * v * sizeof(WvItem));
+  L.bytes = at;
+  return L;
+}
+WvSpace wv_space(void* ws, int V, int R) {
+  const WvLayout L = wv_layout(V, R);
+  char* b = static_cast<char*>(ws);
+  return {reinterpret_cast<float*>(b + L.adj),     reinterpret_cast<uint64_t*>(b + L.bkey),
+          reinterpret_cast<double*>(b + L.btot),   reinterpret_cast<double*>(b + L.bhist),
+          reinterpret_cast<double*>(b + L.bkept),  reinterpret_cast<WvRow*>(b + L.rows),
+          reinterpret_cast<WvItem*>(b + L.items)};
+}
+
+struct KeyMax {
+  __device__ uint64_t operator()(uint64_t x, uint64_t y) const { return x > y ? x : y; }
+};
+
+__device__ __forceinline__ double wv_weight(float l, float top, double inv_t) {
+  return exp((double(l) - double(top)) * inv_t);
+}
+// The Sampler's bucket_of, in its arithmetic.
+__device__ __forceinline__ int wv_bucket(float l, float top, double inv_t) {
+  const double d = (double(top) - double(l)) * inv_t * kWvPerNat;
+  return d < kWvBuckets - 1 ? int(d) : kWvBuckets - 1;
+}
+// An id outside the crossing bucket that top_p and min_p keep.
+__device__ __forceinline__ bool wv_lower_kept(float l, double w, const WvRow& st, float top, double inv_t,
+                                              float min_p) {
+  if (st.cross < kWvBuckets && wv_bucket(l, top, inv_t) >= st.cross) return false;
+  return !(min_p > 0.f) || w >= double(min_p);
+}
+// The row's best key, reduced from the blocks' (every thread gets it).
+template <int kThreads>
+__device__ uint64_t wv_row_best(const uint64_t* bkey, int nb) {
+  using Reduce = cub::BlockReduce<uint64_t, kThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ uint64_t best;
+  uint64_t k = 0;
+  for (int i = threadIdx.x; i < nb; i += kThreads) k = bkey[i] > k ? bkey[i] : k;
+  k = Reduce(tmp).Reduce(k, KeyMax());
+  if (threadIdx.x == 0) best = k;
+  __syncthreads();
+  return best;
+}
+// hist[d] += w (and cnt[d] += 1 where cnt is given) for the lanes with
+// `valid`: one atomic a warp where the valid lanes share d (the common case
+// when most ids fall in a few bins), one a lane otherwise.
+__device__ __forceinline__ void hist_add(double* hist, int* cnt, bool valid, int d, double w) {
+  const unsigned vmask = __ballot_sync(0xffffffffu, valid);
+  if (!vmask) return;
+  const int lane = threadIdx.x & 31;
+  const int d0 = __shfl_sync(0xffffffffu, d, __ffs(vmask) - 1);
+  if (__all_sync(0xffffffffu, !valid || d == d0)) {
+    double s = valid ? w : 0.0;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) {
+      atomicAdd(&hist[d0], s);
+      if (cnt) atomicAdd(&cnt[d0], __popc(vmask));
+    }
+  } else if (valid) {
+    atomicAdd(&hist[d], w);
+    if (cnt) atomicAdd(&cnt[d], 1);
+  }
+}
+
+__global__ void __launch_bounds__(kSbThreads) wv_max_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<uint64_t, kSbThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ float vals[kSbPerBlock];
+  __shared__ int first_adjust;
+  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+  load_adjusted(a, row, base, vals, &first_adjust);
+  float* adj = p.adj + size_t(row) * a.V;
+  uint64_t best = 0;
+  for (int i = tid; i < kSbPerBlock && base + i < a.V; i += kSbThreads) {
+    adj[base + i] = vals[i];
+    const uint64_t k = make_key(vals[i], base + i);
+    best = k > best ? k : best;
+  }
+  best = Reduce(tmp).Reduce(best, KeyMax());
+  if (tid == 0) p.bkey[size_t(row) * gridDim.x + blockIdx.x] = best;
+}
+
+__global__ void __launch_bounds__(kSbThreads) wv_weigh_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<double, kSbThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ double hist[kWvBuckets];
+  const int tid = threadIdx.x, nb = gridDim.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+  const float top = key_value(wv_row_best<kSbThreads>(p.bkey + size_t(row) * nb, nb));
+  const double inv_t = 1.0 / double(a.temperature);
+  if (!(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;  // wv_pick takes the best id
+  const bool buckets = a.top_p < 1.f;
+  for (int b = tid; b < kWvBuckets; b += kSbThreads) hist[b] = 0.0;
+  __syncthreads();
+  const float* adj = p.adj + size_t(row) * a.V;
+  double total = 0.0;
+  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {  // every lane of a warp takes each step
+    const int id = base + i;
+    const bool in = id < a.V;
+    const float l = in ? adj[id] : -INFINITY;
+    const double w = in ? wv_weight(l, top, inv_t) : 0.0;
+    total += w;
+    if (buckets) hist_add(hist, nullptr, in, in ? wv_bucket(l, top, inv_t) : 0, w);
+  }
+  total = Reduce(tmp).Sum(total);
+  __syncthreads();
+  const size_t blk = size_t(row) * nb + blockIdx.x;
+  if (tid == 0) p.btot[blk] = total;
+  if (buckets)
+    for (int b = tid; b < kWvBuckets; b += kSbThreads) p.bhist[blk * kWvBuckets + b] = hist[b];
+}
+
+__global__ void __launch_bounds__(kWvBuckets) wv_cross_kernel(const SampleArgs a, const WvSpace p, int nb) {
+  __shared__ double mass[kWvBuckets];
+  const int tid = threadIdx.x, row = blockIdx.x;
+  const uint64_t best = wv_row_best<kWvBuckets>(p.bkey + size_t(row) * nb, nb);
+  const float top = key_value(best);
+  const double inv_t = 1.0 / double(a.temperature);
+  WvRow& st = p.rows[row];
+  if (tid == 0) {
+    st.best = best;
+    st.cross = kWvBuckets;
+    st.n = 0;
+    st.before = st.target = 0.0;
+  }
+  if (!(a.top_p < 1.f) || !(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;
+  double m = 0.0;  // the blocks in order: the same sum every run
+  for (int b = 0; b < nb; ++b) m += p.bhist[(size_t(row) * nb + b) * kWvBuckets + tid];
+  mass[tid] = m;
+  __syncthreads();
+  if (tid != 0) return;
+  double total = 0.0;
+  for (int b = 0; b < nb; ++b) total += p.btot[size_t(row) * nb + b];
+  const double target = double(a.top_p) * total;
+  int cross = 0;
+  double before = 0.0;
+  while (cross < kWvBuckets - 1 && before + mass[cross] < target) before += mass[cross++];
+  st.cross = cross;
+  st.before = before;
+  st.target = target;
+}
+
+__global__ void __launch_bounds__(kSbThreads) wv_split_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<double, kSbThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y, lane = tid & 31;
+  const WvRow st = p.rows[row];
+  const float top = key_value(st.best);
+  const double inv_t = 1.0 / double(a.temperature);
+  if (!(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;
+  const float* adj = p.adj + size_t(row) * a.V;
+  WvItem* items = p.items + size_t(row) * a.V;
+  double kept = 0.0;
+  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {  // every lane of a warp takes each step
+    const int id = base + i;
+    const bool in = id < a.V;
+    const float l = in ? adj[id] : -INFINITY;
+    const double w = in ? wv_weight(l, top, inv_t) : 0.0;
+    const bool crossing = in && st.cross < kWvBuckets && wv_bucket(l, top, inv_t) == st.cross;
+    if (in && !crossing && wv_lower_kept(l, w, st, top, inv_t, a.min_p)) kept += w;
+    const unsigned cm = __ballot_sync(0xffffffffu, crossing);
+    if (cm) {
+      int at = 0;
+      if (lane == __ffs(cm) - 1) at = atomicAdd(&p.rows[row].n, __popc(cm));
+      at = __shfl_sync(0xffffffffu, at, __ffs(cm) - 1) + __popc(cm & ((1u << lane) - 1));
+      if (crossing) items[at] = {make_key(l, id), w};
+    }
+  }
+  kept = Reduce(tmp).Sum(kept);
+  if (tid == 0) p.bkept[size_t(row) * gridDim.x + blockIdx.x] = kept;
+}
+
+// Of the listed items with key >= lo (and w >= min_p where min_p > 0), in
+// descending key order, the first whose running weight (itself included)
+// reaches t (strict: exceeds t): its key, or 0 when the weights fall short.
+// Weighted radix select, 8 bits a pass from the top; a pass ends it early
+// once one item is left.
+__device__ uint64_t wv_select(const WvItem* items, int n, uint64_t lo, float min_p, double t, bool strict) {
+  __shared__ double hm[256];
+  __shared__ int hc[256];
+  __shared__ uint64_t s_prefix, s_key;
+  __shared__ double s_t;
+  __shared__ int s_state;  // 0 going on, 1 one item left, 2 none reaches t
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    s_prefix = 0;
+    s_t = t;
+    s_state = 0;
+  }
+  uint64_t mask = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int d = tid; d < 256; d += blockDim.x) {
+      hm[d] = 0.0;
+      hc[d] = 0;
+    }
+    __syncthreads();
+    const uint64_t prefix = s_prefix;
+    for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // every lane of a warp takes each step
+      const int i = i0 + tid;
+      WvItem e{0, 0.0};
+      if (i < n) e = items[i];
+      const bool valid = i < n && e.key >= lo && (!(min_p > 0.f) || e.w >= double(min_p)) &&
+                         (e.key & mask) == prefix;
+      hist_add(hm, hc, valid, int((e.key >> shift) & 255), e.w);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      double acc = 0.0, tt = s_t;
+      int chosen = -1, last = -1;
+      for (int d = 255; d >= 0; --d) {
+        if (hc[d] == 0) continue;
+        last = d;
+        const double m = acc + hm[d];
+        if (strict ? m > tt : m >= tt) {
+          chosen = d;
+          break;
+        }
+        acc = m;
+      }
+      if (chosen < 0 && shift == 56) {
+        s_state = 2;
+      } else {
+        if (chosen < 0) {  // the digits' sums fell short of their bin's in the last bits: its last item
+          chosen = last;
+          tt = INFINITY;
+          acc = 0.0;
+        }
+        s_t = tt - acc;
+        s_prefix = prefix | (uint64_t(chosen) << shift);
+        if (hc[chosen] == 1) s_state = 1;
+      }
+    }
+    __syncthreads();
+    if (s_state == 2) return 0;
+    mask |= uint64_t(255) << shift;
+    if (s_state == 1 && shift > 0) {  // the one item under the prefix
+      const uint64_t pf = s_prefix;
+      for (int i = tid; i < n; i += blockDim.x) {
+        const WvItem e = items[i];
+        if (e.key >= lo && (!(min_p > 0.f) || e.w >= double(min_p)) && (e.key & mask) == pf) s_key = e.key;
+      }
+      __syncthreads();
+      return s_key;
+    }
+  }
+  return s_prefix;
+}
+
+__global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a, const WvSpace p, int nb) {
+  using Reduce = cub::BlockReduce<double, kWpThreads>;
+  using KeyReduce = cub::BlockReduce<uint64_t, kWpThreads>;
+  using Scan = cub::BlockScan<double, kWpThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename KeyReduce::TempStorage keys;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ double s_mass;
+  __shared__ int s_block, s_first, s_last;
+  const int tid = threadIdx.x, row = blockIdx.x;
+  const WvRow st = p.rows[row];
+  const float top = key_value(st.best);
+  int* out = a.out + 2 * row;
+  if (tid == 0) {
+    out[0] = key_id(st.best);
+    out[1] = top > -INFINITY ? 0 : 2;  // 2: no finite logit
+  }
+  const double inv_t = 1.0 / double(a.temperature);
+  if (!(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;
+  const WvItem* items = p.items + size_t(row) * a.V;
+  const int n = st.n;
+  // The last crossing item top_p keeps (every one when their mass falls short).
+  const uint64_t theta = n > 0 ? wv_select(items, n, 0, 0.f, st.target - st.before, false) : 0;
+  double c = 0.0;
+  for (int i = tid; i < n; i += kWpThreads) {
+    const WvItem e = items[i];
+    if (e.key >= theta && (!(a.min_p > 0.f) || e.w >= double(a.min_p))) c += e.w;
+  }
+  c = Reduce(tmp.reduce).Sum(c);
+  if (tid == 0) {
+    const double* bkept = p.bkept + size_t(row) * nb;
+    double lower = 0.0;
+    for (int b = 0; b < nb; ++b) lower += bkept[b];
+    const double r = a.u[row] * (lower + c);
+    s_block = -1;
+    s_mass = r - lower;
+    if (r < lower || !(c > 0.0)) {  // in the ids outside the crossing bucket: which block
+      double acc = 0.0;
+      int last = -1;
+      for (int b = 0; b < nb; ++b) {
+        if (!(bkept[b] > 0.0)) continue;
+        last = b;
+        if (r < acc + bkept[b]) break;
+        acc += bkept[b];
+      }
+      s_block = last;
+      s_mass = r < lower ? r - acc : INFINITY;
+    }
+  }
+  __syncthreads();
+  int pick = -1;
+  if (s_block < 0) {  // among the crossing items kept, best first
+    const uint64_t k = wv_select(items, n, theta, a.min_p, s_mass, true);
+    if (k) {
+      pick = key_id(k);
+    } else {  // the draw rounded past the end: the last item with weight
+      uint64_t least = ~0ull;
+      for (int i = tid; i < n; i += kWpThreads) {
+        const WvItem e = items[i];
+        if (e.key >= theta && e.w > 0.0 && (!(a.min_p > 0.f) || e.w >= double(a.min_p)) && e.key < least)
+          least = e.key;
+      }
+      least = ~KeyReduce(tmp.keys).Reduce(~least, KeyMax());
+      pick = key_id(least);
+    }
+  } else {  // block s_block's ids in id order
+    const int base = s_block * kSbPerBlock;
+    const float* adj = p.adj + size_t(row) * a.V;
+    if (tid == 0) {
+      s_first = INT_MAX;
+      s_last = -1;
+    }
+    double w[2], run[2];
+    bool kept[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int id = base + 2 * tid + j;
+      const float l = id < a.V ? adj[id] : -INFINITY;
+      w[j] = id < a.V ? wv_weight(l, top, inv_t) : 0.0;
+      kept[j] = id < a.V && w[j] > 0.0 && wv_lower_kept(l, w[j], st, top, inv_t, a.min_p);
+      if (!kept[j]) w[j] = 0.0;
+    }
+    Scan(tmp.scan).InclusiveSum(w, run);
+    __syncthreads();
+    const double r = s_mass;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (!kept[j]) continue;
+      const int id = base + 2 * tid + j;
+      atomicMax(&s_last, id);
+      if (r < run[j]) atomicMin(&s_first, id);
+    }
+    __syncthreads();
+    pick = s_first != INT_MAX ? s_first : s_last;
+  }
+  if (tid == 0) {
+    out[0] = pick;
+    out[1] = 1;  // the draw was used
+  }
+}
+
 }  // namespace
 
 size_t sample_workspace_bytes(int V, int kc, int rows) {
+  if (kc == 0) return wv_layout(V, rows).bytes;
   return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * size_t(rows) * sizeof(uint64_t);
 }
 
 void launch_sample(const SampleArgs& a, cudaStream_t s) {
   if (a.V <= 0 || !a.logits || !a.cand || !a.out) fail("launch_sample: empty row or null buffers");
-  if (a.kc < 1 || a.kc > kMaxBackendTopK || a.kc > kSpKeys / 2)
-    fail("launch_sample: top_k of ", a.kc, " (1..", kMaxBackendTopK, ")");
+  const bool whole = a.kc == 0 && a.temperature != 0.f;
+  if (!whole && (a.kc < 1 || a.kc > kMaxBackendTopK || a.kc > kSpKeys / 2))
+    fail("launch_sample: top_k of ", a.kc, " (0: the whole vocabulary, or 1..", kMaxBackendTopK, ")");
   if (a.temperature != 0.f && a.kc >= a.V) fail("launch_sample: top_k of ", a.kc, " is not below the vocabulary");
   if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_sample: ", a.rows, " rows (1..", kMaxSampleRows, ")");
   if (a.rows > 1 && a.row_stride < size_t(a.V)) fail("launch_sample: rows closer than V logits apart");
   if (a.adjust_off && !a.adjust) fail("launch_sample: adjustment offsets without adjustments");
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
+  if (whole) {
+    const WvSpace p = wv_space(a.cand, a.V, a.rows);
+    wv_max_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    check_launch("wv_max_kernel");
+    wv_weigh_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    check_launch("wv_weigh_kernel");
+    wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, blocks);
+    check_launch("wv_cross_kernel");
+    wv_split_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    check_launch("wv_split_kernel");
+    wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, blocks);
+    check_launch("wv_pick_kernel");
+    return;
+  }
   sample_block_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a);
   check_launch("sample_block_kernel");
   sample_pick_kernel<<<a.rows, kSpThreads, 0, s>>>(a, blocks * a.kc);
