@@ -52,15 +52,16 @@ __device__ __forceinline__ void row_adjust(const SampleArgs& a, int row, int* lo
   *hi = a.adjust_off ? a.adjust_off[row + 1] : 0;
 }
 
-// The block's kSbPerBlock logits of `row` from `base` into vals: NaN as
+// The block's kPerBlock logits of `row` from `base` into vals: NaN as
 // -inf, the row's listed adjustments applied in the Sampler's order, -inf
 // past the row. Ends with a barrier.
+template <int kPerBlock>
 __device__ void load_adjusted(const SampleArgs& a, int row, int base, float* vals, int* first_adjust) {
   const int tid = threadIdx.x;
   const float* logits = a.logits + size_t(row) * a.row_stride;
   int adj_lo, adj_hi;
   row_adjust(a, row, &adj_lo, &adj_hi);
-  for (int i = tid; i < kSbPerBlock; i += blockDim.x) {
+  for (int i = tid; i < kPerBlock; i += blockDim.x) {
     const int id = base + i;
     float v = -INFINITY;
     if (id < a.V) {
@@ -79,7 +80,7 @@ __device__ void load_adjusted(const SampleArgs& a, int row, int base, float* val
     *first_adjust = lo;
   }
   __syncthreads();
-  for (int e = *first_adjust + tid; e < adj_hi && a.adjust[e].id < base + kSbPerBlock; e += blockDim.x) {
+  for (int e = *first_adjust + tid; e < adj_hi && a.adjust[e].id < base + kPerBlock; e += blockDim.x) {
     const LogitAdjust j = a.adjust[e];
     if (j.id >= a.V) continue;
     float v = vals[j.id - base];
@@ -97,7 +98,7 @@ __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleAr
   __shared__ float vals[kSbPerBlock];
   __shared__ int first_adjust;
   const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
-  load_adjusted(a, row, base, vals, &first_adjust);
+  load_adjusted<kSbPerBlock>(a, row, base, vals, &first_adjust);
   uint64_t keys[kSbItems];
 #pragma unroll
   for (int i = 0; i < kSbItems; ++i) {
@@ -215,7 +216,8 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
 // the double sums and of the two exp implementations.
 constexpr int kWvBuckets = 512;
 constexpr double kWvPerNat = 8.0;
-constexpr int kWpThreads = 1024;
+constexpr int kWvThreads = 1024, kWvItems = 8, kWvPerBlock = kWvThreads * kWvItems;  // wv_max, wv_weigh, wv_split
+constexpr int kWpThreads = kWvThreads;
 
 struct WvRow {
   uint64_t best;  // the largest key: the max value, its lowest id
@@ -242,7 +244,7 @@ struct WvLayout {
   size_t adj, bkey, btot, bhist, bkept, rows, items, bytes;
 };
 WvLayout wv_layout(int V, int R) {
-  const size_t nb = size_t((V + kSbPerBlock - 1) / kSbPerBlock), r = size_t(R), v = size_t(V);
+  const size_t nb = size_t((V + kWvPerBlock - 1) / kWvPerBlock), r = size_t(R), v = size_t(V);
   WvLayout L{};
   size_t at = 0;
   auto take = [&](size_t bytes) {
@@ -321,16 +323,16 @@ __device__ __forceinline__ void hist_add(double* hist, int* cnt, bool valid, int
   }
 }
 
-__global__ void __launch_bounds__(kSbThreads) wv_max_kernel(const SampleArgs a, const WvSpace p) {
-  using Reduce = cub::BlockReduce<uint64_t, kSbThreads>;
+__global__ void __launch_bounds__(kWvThreads) wv_max_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<uint64_t, kWvThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  __shared__ float vals[kSbPerBlock];
+  __shared__ float vals[kWvPerBlock];
   __shared__ int first_adjust;
-  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
-  load_adjusted(a, row, base, vals, &first_adjust);
+  const int tid = threadIdx.x, base = blockIdx.x * kWvPerBlock, row = blockIdx.y;
+  load_adjusted<kWvPerBlock>(a, row, base, vals, &first_adjust);
   float* adj = p.adj + size_t(row) * a.V;
   uint64_t best = 0;
-  for (int i = tid; i < kSbPerBlock && base + i < a.V; i += kSbThreads) {
+  for (int i = tid; i < kWvPerBlock && base + i < a.V; i += kWvThreads) {
     adj[base + i] = vals[i];
     const uint64_t k = make_key(vals[i], base + i);
     best = k > best ? k : best;
@@ -339,20 +341,20 @@ __global__ void __launch_bounds__(kSbThreads) wv_max_kernel(const SampleArgs a, 
   if (tid == 0) p.bkey[size_t(row) * gridDim.x + blockIdx.x] = best;
 }
 
-__global__ void __launch_bounds__(kSbThreads) wv_weigh_kernel(const SampleArgs a, const WvSpace p) {
-  using Reduce = cub::BlockReduce<double, kSbThreads>;
+__global__ void __launch_bounds__(kWvThreads) wv_weigh_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<double, kWvThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ double hist[kWvBuckets];
-  const int tid = threadIdx.x, nb = gridDim.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
-  const float top = key_value(wv_row_best<kSbThreads>(p.bkey + size_t(row) * nb, nb));
+  const int tid = threadIdx.x, nb = gridDim.x, base = blockIdx.x * kWvPerBlock, row = blockIdx.y;
+  const float top = key_value(wv_row_best<kWvThreads>(p.bkey + size_t(row) * nb, nb));
   const double inv_t = 1.0 / double(a.temperature);
   if (!(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;  // wv_pick takes the best id
   const bool buckets = a.top_p < 1.f;
-  for (int b = tid; b < kWvBuckets; b += kSbThreads) hist[b] = 0.0;
+  for (int b = tid; b < kWvBuckets; b += kWvThreads) hist[b] = 0.0;
   __syncthreads();
   const float* adj = p.adj + size_t(row) * a.V;
   double total = 0.0;
-  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {  // every lane of a warp takes each step
+  for (int i = tid; i < kWvPerBlock; i += kWvThreads) {  // every lane of a warp takes each step
     const int id = base + i;
     const bool in = id < a.V;
     const float l = in ? adj[id] : -INFINITY;
@@ -365,7 +367,7 @@ __global__ void __launch_bounds__(kSbThreads) wv_weigh_kernel(const SampleArgs a
   const size_t blk = size_t(row) * nb + blockIdx.x;
   if (tid == 0) p.btot[blk] = total;
   if (buckets)
-    for (int b = tid; b < kWvBuckets; b += kSbThreads) p.bhist[blk * kWvBuckets + b] = hist[b];
+    for (int b = tid; b < kWvBuckets; b += kWvThreads) p.bhist[blk * kWvBuckets + b] = hist[b];
 }
 
 __global__ void __launch_bounds__(kWvBuckets) wv_cross_kernel(const SampleArgs a, const WvSpace p, int nb) {
@@ -398,10 +400,10 @@ __global__ void __launch_bounds__(kWvBuckets) wv_cross_kernel(const SampleArgs a
   st.target = target;
 }
 
-__global__ void __launch_bounds__(kSbThreads) wv_split_kernel(const SampleArgs a, const WvSpace p) {
-  using Reduce = cub::BlockReduce<double, kSbThreads>;
+__global__ void __launch_bounds__(kWvThreads) wv_split_kernel(const SampleArgs a, const WvSpace p) {
+  using Reduce = cub::BlockReduce<double, kWvThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y, lane = tid & 31;
+  const int tid = threadIdx.x, base = blockIdx.x * kWvPerBlock, row = blockIdx.y, lane = tid & 31;
   const WvRow st = p.rows[row];
   const float top = key_value(st.best);
   const double inv_t = 1.0 / double(a.temperature);
@@ -409,7 +411,7 @@ __global__ void __launch_bounds__(kSbThreads) wv_split_kernel(const SampleArgs a
   const float* adj = p.adj + size_t(row) * a.V;
   WvItem* items = p.items + size_t(row) * a.V;
   double kept = 0.0;
-  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {  // every lane of a warp takes each step
+  for (int i = tid; i < kWvPerBlock; i += kWvThreads) {  // every lane of a warp takes each step
     const int id = base + i;
     const bool in = id < a.V;
     const float l = in ? adj[id] : -INFINITY;
@@ -572,17 +574,17 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
       pick = key_id(least);
     }
   } else {  // block s_block's ids in id order
-    const int base = s_block * kSbPerBlock;
+    const int base = s_block * kWvPerBlock;
     const float* adj = p.adj + size_t(row) * a.V;
     if (tid == 0) {
       s_first = INT_MAX;
       s_last = -1;
     }
-    double w[2], run[2];
-    bool kept[2];
+    double w[kWvItems], run[kWvItems];
+    bool kept[kWvItems];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int id = base + 2 * tid + j;
+    for (int j = 0; j < kWvItems; ++j) {
+      const int id = base + kWvItems * tid + j;
       const float l = id < a.V ? adj[id] : -INFINITY;
       w[j] = id < a.V ? wv_weight(l, top, inv_t) : 0.0;
       kept[j] = id < a.V && w[j] > 0.0 && wv_lower_kept(l, w[j], st, top, inv_t, a.min_p);
@@ -592,9 +594,9 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
     __syncthreads();
     const double r = s_mass;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < kWvItems; ++j) {
       if (!kept[j]) continue;
-      const int id = base + 2 * tid + j;
+      const int id = base + kWvItems * tid + j;
       atomicMax(&s_last, id);
       if (r < run[j]) atomicMin(&s_first, id);
     }
@@ -626,15 +628,16 @@ void launch_sample(const SampleArgs& a, cudaStream_t s) {
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
   if (whole) {
     const WvSpace p = wv_space(a.cand, a.V, a.rows);
-    wv_max_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    const int wblocks = (a.V + kWvPerBlock - 1) / kWvPerBlock;
+    wv_max_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     check_launch("wv_max_kernel");
-    wv_weigh_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    wv_weigh_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     check_launch("wv_weigh_kernel");
-    wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, blocks);
+    wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, wblocks);
     check_launch("wv_cross_kernel");
-    wv_split_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+    wv_split_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     check_launch("wv_split_kernel");
-    wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, blocks);
+    wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, wblocks);
     check_launch("wv_pick_kernel");
     return;
   }
