@@ -186,7 +186,9 @@ std::vector<int> generate(Backend& b, bool on_backend, const engine::SamplingPar
 
 TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
   LILY_SKIP_WITHOUT_GPU();
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), cuda::options_from_env());
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.sample_whole = true;
+  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
   engine::SamplingParams greedy;
   greedy.temperature = 0.f;
   engine::SamplingParams topk;
@@ -217,6 +219,7 @@ TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
   LILY_SKIP_WITHOUT_GPU();
   cuda::CudaOptions o = cuda::options_from_env();
   o.draft_sample = true;
+  o.sample_whole = true;
   auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
   ASSERT_GT(b->max_draft_run(), 1);
   const int V = b->config().vocab_size;

@@ -97,6 +97,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_FOLD_NORMS")) o.fold_norms = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
     const std::string a = v;
     if (a == "f32") o.act_bits = 0;
@@ -1692,7 +1693,8 @@ bool CudaBackend::can_sample(const TokenSampling& s) const {
   const int V = impl_->c.vocab_size;
   if (s.temperature == 0.f) return true;
   // top_k 0: the whole vocabulary (sample.cu's second path).
-  return s.temperature > 0.f && s.top_k >= 0 && s.top_k <= kMaxBackendTopK && s.top_k < V;
+  if (s.top_k == 0) return s.temperature > 0.f && impl_->opt.sample_whole;
+  return s.temperature > 0.f && s.top_k >= 1 && s.top_k <= kMaxBackendTopK && s.top_k < V;
 }
 
 int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampling& s, bool& drew) {
