@@ -80,8 +80,8 @@ struct CudaOptions {
   bool draft_sample = true;
   // Sampling without top_k (the whole vocabulary) on the device too
   // (sample.cu's wv_* kernels), rather than the row copied to the host
-  // (LILY_CUDA_SAMPLE_WHOLE=0|1; docs/cuda-decode.md "v24").
-  bool sample_whole = false;
+  // (LILY_CUDA_SAMPLE_WHOLE=0 turns it off; docs/cuda-decode.md "v24").
+  bool sample_whole = true;
 };
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
