@@ -432,3 +432,71 @@ TEST(Sampler, TopLogprobs) {
 }
 
 }  // namespace
+
+// The penalties' counts are kept across calls (TokenCounts): a history that
+// grows a token at a time, gains a draft run's tokens and loses the refused
+// ones, or changes altogether, must be penalised as a fresh Sampler
+// penalises it: the same adjustments for a backend, the same greedy pick.
+TEST(Sampler, PenaltiesFollowAHistoryThatGrowsShrinksAndChanges) {
+  using lily::LogitAdjust;
+  using lily::TokenSampling;
+  const int V = 300;
+  SamplingParams p;
+  p.temperature = 0.f;
+  p.repetition_penalty = 1.3f;
+  p.frequency_penalty = 0.4f;
+  p.presence_penalty = -0.3f;
+  p.logit_bias = {{7, 2.f}, {250, -1.f}, {3, 0.5f}};
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> tok(0, V - 1), few(0, 40);
+  std::normal_distribution<float> n(0.f, 2.f);
+  std::vector<int> history(60);
+  for (int& t : history) t = tok(rng);
+  const size_t prompt_len = 50;
+  Sampler kept(p);
+  for (int step = 0; step < 400; ++step) {
+    switch (step % 7) {
+      case 3:  // a draft run's refused tokens dropped
+        history.resize(std::max(prompt_len - 5, history.size() - static_cast<size_t>(few(rng) % 6)));
+        break;
+      case 5:  // several tokens at once, some repeated
+        for (int i = 0, k = few(rng) % 5; i < k; ++i) history.push_back(i % 2 ? history[history.size() / 2] : tok(rng));
+        break;
+      case 6:
+        if (step % 49 == 6) history[static_cast<size_t>(few(rng))] = tok(rng);  // an earlier token changed
+        break;
+      default:
+        history.push_back(tok(rng) % 20);  // often the same few ids
+    }
+    std::vector<float> row(V);
+    for (float& x : row) x = n(rng);
+    Sampler fresh(p);
+    const std::optional<TokenSampling> a = kept.backend_request(history, prompt_len, V);
+    const std::optional<TokenSampling> b = fresh.backend_request(history, prompt_len, V);
+    ASSERT_TRUE(a && b);
+    ASSERT_EQ(a->adjust.size(), b->adjust.size()) << "step " << step;
+    for (size_t i = 0; i < a->adjust.size(); ++i) {
+      const LogitAdjust &x = a->adjust[i], &y = b->adjust[i];
+      ASSERT_TRUE(x.id == y.id && x.ops == y.ops && x.bias == y.bias && x.sub == y.sub) << "step " << step << " entry " << i;
+    }
+    EXPECT_EQ(kept.sample(row, history, prompt_len), Sampler(p).sample(row, history, prompt_len)) << "step " << step;
+  }
+  // Every listed id once, ascending, with the bias, repetition and count
+  // penalties of a history written out by hand.
+  Sampler s(p);
+  const std::vector<int> h = {9, 7, 9, 250, 7, 7, 11};  // prompt {9, 7, 9}, generated {250, 7, 7, 11}
+  const TokenSampling r = *s.backend_request(h, 3, V);
+  ASSERT_EQ(r.adjust.size(), 5u);
+  EXPECT_EQ(r.adjust[0].id, 3);
+  EXPECT_EQ(r.adjust[0].ops, LogitAdjust::kBias);
+  EXPECT_EQ(r.adjust[1].id, 7);
+  EXPECT_EQ(r.adjust[1].ops, LogitAdjust::kBias | LogitAdjust::kRep | LogitAdjust::kSub);
+  EXPECT_FLOAT_EQ(r.adjust[1].sub, 0.4f * 2 - 0.3f);
+  EXPECT_EQ(r.adjust[2].id, 9);
+  EXPECT_EQ(r.adjust[2].ops, LogitAdjust::kRep);
+  EXPECT_EQ(r.adjust[3].id, 11);
+  EXPECT_EQ(r.adjust[3].ops, LogitAdjust::kRep | LogitAdjust::kSub);
+  EXPECT_EQ(r.adjust[4].id, 250);
+  EXPECT_EQ(r.adjust[4].ops, LogitAdjust::kBias | LogitAdjust::kRep | LogitAdjust::kSub);
+  EXPECT_FLOAT_EQ(r.adjust[4].sub, 0.4f - 0.3f);
+}

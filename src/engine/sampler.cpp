@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -131,35 +132,103 @@ Sampler::Sampler(const SamplingParams& params) : params_(params) {
 
 double Sampler::uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53; }
 
-void Sampler::apply_penalties(std::span<const int> history, size_t prompt_len) {
-  const size_t vocab = work_.size();
-  for (int t : history)
-    if (t < 0 || static_cast<size_t>(t) >= vocab)
-      fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab);
-  std::vector<int>& ids = counts_scratch_;
-  if (params_.repetition_penalty != 1.0f && !history.empty()) {
-    ids.assign(history.begin(), history.end());
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    const float r = params_.repetition_penalty;
-    for (int t : ids) work_[t] = work_[t] > 0.0f ? work_[t] / r : work_[t] * r;
+// ---------------------------------------------------------------- counts
+
+void TokenCounts::sync(std::span<const int> history, size_t prompt_len, size_t vocab) {
+  if (vocab != vocab_ || prompt_len != prompt_len_) {
+    vocab_ = vocab;
+    prompt_len_ = prompt_len;
+    counted_.clear();
+    seen_ids_ = 0;
+    seen_.assign(vocab, 0);
+    generated_.assign(vocab, 0);
+    seen_bits_.assign((vocab + 63) / 64, 0);
+    generated_bits_.assign((vocab + 63) / 64, 0);
   }
-  if (params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f)
-    for_each_generated(history, prompt_len, [&](int id, float count) { work_[id] -= penalty_sub(count); });
+  // The length both share: usually all of counted_ (one token appended), or
+  // all but its last few (a draft run's refused tokens).
+  const size_t n = std::min(counted_.size(), history.size());
+  size_t common = 0;
+  constexpr size_t kTail = 64;
+  if (n > kTail && std::equal(counted_.begin(), counted_.begin() + static_cast<std::ptrdiff_t>(n - kTail),
+                              history.begin()))
+    common = n - kTail;
+  common += static_cast<size_t>(std::mismatch(counted_.begin() + static_cast<std::ptrdiff_t>(common),
+                                              counted_.begin() + static_cast<std::ptrdiff_t>(n),
+                                              history.begin() + static_cast<std::ptrdiff_t>(common))
+                                    .first -
+                                (counted_.begin() + static_cast<std::ptrdiff_t>(common)));
+  while (counted_.size() > common) {
+    const size_t i = counted_.size() - 1;
+    add(counted_[i], i >= prompt_len_, -1);
+    counted_.pop_back();
+  }
+  for (size_t i = common; i < history.size(); ++i) {
+    const int t = history[i];
+    if (t < 0 || static_cast<size_t>(t) >= vocab_)
+      fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab_);
+    add(t, i >= prompt_len_, 1);
+    counted_.push_back(t);
+  }
+}
+
+void TokenCounts::add(int id, bool generated, int step) {
+  const size_t w = static_cast<size_t>(id) / 64;
+  const uint64_t bit = uint64_t{1} << (id % 64);
+  auto bump = [&](std::vector<uint32_t>& count, std::vector<uint64_t>& bits) {
+    uint32_t& c = count[static_cast<size_t>(id)];
+    c = static_cast<uint32_t>(static_cast<int64_t>(c) + step);
+    if (c) bits[w] |= bit;
+    else bits[w] &= ~bit;
+    return c;
+  };
+  const uint32_t c = bump(seen_, seen_bits_);
+  if (step > 0 && c == 1) ++seen_ids_;
+  if (step < 0 && c == 0) --seen_ids_;
+  if (generated) bump(generated_, generated_bits_);
+}
+
+namespace {
+
+template <typename Fn>
+void for_each_bit(const std::vector<uint64_t>& bits, Fn fn) {
+  for (size_t w = 0; w < bits.size(); ++w)
+    for (uint64_t b = bits[w]; b; b &= b - 1) fn(static_cast<int>(w * 64 + static_cast<size_t>(std::countr_zero(b))));
+}
+
+}  // namespace
+
+template <typename Fn>
+void TokenCounts::for_each_seen(Fn fn) const {
+  for_each_bit(seen_bits_, fn);
 }
 
 template <typename Fn>
-void Sampler::for_each_generated(std::span<const int> history, size_t prompt_len, Fn fn) {
-  auto generated = history.subspan(std::min(prompt_len, history.size()));
-  std::vector<int>& ids = counts_scratch_;
-  ids.assign(generated.begin(), generated.end());
-  std::sort(ids.begin(), ids.end());
-  for (size_t i = 0; i < ids.size();) {
-    size_t j = i;
-    while (j < ids.size() && ids[j] == ids[i]) ++j;
-    fn(ids[i], static_cast<float>(j - i));
-    i = j;
+void TokenCounts::for_each_generated(Fn fn) const {
+  for_each_bit(generated_bits_, [&](int id) { fn(id, static_cast<float>(generated_[static_cast<size_t>(id)])); });
+}
+
+// ---------------------------------------------------------------- penalties
+
+bool Sampler::penalised() const {
+  return params_.repetition_penalty != 1.0f || params_.frequency_penalty != 0.0f ||
+         params_.presence_penalty != 0.0f;
+}
+
+void Sampler::apply_penalties(std::span<const int> history, size_t prompt_len) {
+  if (!penalised()) {
+    for (int t : history)
+      if (t < 0 || static_cast<size_t>(t) >= work_.size())
+        fail("Sampler: history token id ", t, " is outside the vocabulary of ", work_.size());
+    return;
   }
+  counts_.sync(history, prompt_len, work_.size());
+  if (params_.repetition_penalty != 1.0f) {
+    const float r = params_.repetition_penalty;
+    counts_.for_each_seen([&](int t) { work_[t] = work_[t] > 0.0f ? work_[t] / r : work_[t] * r; });
+  }
+  if (params_.frequency_penalty != 0.0f || params_.presence_penalty != 0.0f)
+    counts_.for_each_generated([&](int id, float count) { work_[id] -= penalty_sub(count); });
 }
 
 float Sampler::penalty_sub(float count) const {
@@ -179,40 +248,50 @@ std::optional<TokenSampling> Sampler::backend_request(std::span<const int> histo
   r.rep_penalty = p.repetition_penalty;
   // Each listed id once, ascending, with what sample() does to its logit in
   // sample()'s order: the bias, the repetition penalty, then the others.
-  std::vector<LogitAdjust>& a = r.adjust;
-  for (const auto& [id, bias] : p.logit_bias) {
+  std::vector<std::pair<int, float>> bias(p.logit_bias.begin(), p.logit_bias.end());
+  for (const auto& [id, b] : bias)
     if (static_cast<size_t>(id) >= vocab)
       fail("Sampler: logit_bias token id ", id, " is outside the vocabulary of ", vocab);
-    a.push_back({id, LogitAdjust::kBias, bias, 0.f});
-  }
-  auto check = [&](int t) {
-    if (t < 0 || static_cast<size_t>(t) >= vocab)
-      fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab);
+  std::sort(bias.begin(), bias.end());
+  std::vector<LogitAdjust>& a = r.adjust;
+  size_t next_bias = 0;
+  auto bias_before = [&](int id) {  // the biased ids below id, with nothing else on them
+    for (; next_bias < bias.size() && bias[next_bias].first < id; ++next_bias)
+      a.push_back({bias[next_bias].first, LogitAdjust::kBias, bias[next_bias].second, 0.f});
   };
-  if (p.repetition_penalty != 1.0f)
-    for (int t : history) {
-      check(t);
-      a.push_back({t, LogitAdjust::kRep, 0.f, 0.f});
+  auto entry = [&](int id) -> LogitAdjust& {
+    bias_before(id);
+    if (!a.empty() && a.back().id == id) return a.back();
+    a.push_back({id, 0, 0.f, 0.f});
+    if (next_bias < bias.size() && bias[next_bias].first == id) {
+      a.back().ops = LogitAdjust::kBias;
+      a.back().bias = bias[next_bias++].second;
     }
-  if (p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f)
-    for_each_generated(history, prompt_len, [&](int id, float count) {
-      check(id);
-      a.push_back({id, LogitAdjust::kSub, 0.f, penalty_sub(count)});
-    });
-  // Merge the entries of one id (stable: bias, then rep, then sub).
-  std::stable_sort(a.begin(), a.end(), [](const LogitAdjust& x, const LogitAdjust& y) { return x.id < y.id; });
-  size_t out = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (out > 0 && a[out - 1].id == a[i].id) {
-      LogitAdjust& m = a[out - 1];
-      m.ops |= a[i].ops;
-      if (a[i].ops & LogitAdjust::kBias) m.bias = a[i].bias;
-      if (a[i].ops & LogitAdjust::kSub) m.sub = a[i].sub;
-    } else {
-      a[out++] = a[i];
+    return a.back();
+  };
+  if (penalised()) {
+    counts_.sync(history, prompt_len, vocab);
+    a.reserve(bias.size() + counts_.seen_ids());
+    const bool rep = p.repetition_penalty != 1.0f, sub = p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
+    // Every generated id is a seen one: one ascending pass over the seen
+    // ids where the repetition penalty applies, else over the generated.
+    if (rep) counts_.for_each_seen([&](int id) { entry(id).ops |= LogitAdjust::kRep; });
+    if (sub) {
+      size_t at = 0;  // rep's entries are ascending: find each generated id among them
+      counts_.for_each_generated([&](int id, float count) {
+        LogitAdjust* e = nullptr;
+        if (rep) {
+          while (a[at].id != id) ++at;
+          e = &a[at];
+        } else {
+          e = &entry(id);
+        }
+        e->ops |= LogitAdjust::kSub;
+        e->sub = penalty_sub(count);
+      });
     }
   }
-  a.resize(out);
+  bias_before(std::numeric_limits<int>::max());
   return r;
 }
 

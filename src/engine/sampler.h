@@ -85,6 +85,32 @@ struct SamplingParams {
   bool greedy() const { return temperature == 0.0f; }
 };
 
+// The ids of a history (a prompt, then generated tokens) counted, kept
+// across calls for the penalties: sync() compares the history with the one
+// counted last and counts only the difference (a generation appends a
+// token; a draft run's rows add their drafts, and the next call drops the
+// refused ones), so a token costs a compare of the history, not a sort of
+// it. Vocabulary-sized counts and bitsets (the ids come out ascending).
+class TokenCounts {
+ public:
+  // Fails on an id outside [0, vocab).
+  void sync(std::span<const int> history, size_t prompt_len, size_t vocab);
+  // fn(id) for each id in the history, ascending.
+  template <typename Fn>
+  void for_each_seen(Fn fn) const;
+  // fn(id, count) for each id generated (history[prompt_len:]), ascending.
+  template <typename Fn>
+  void for_each_generated(Fn fn) const;
+  size_t seen_ids() const { return seen_ids_; }  // distinct ids in the history
+
+ private:
+  void add(int id, bool generated, int step);
+  size_t vocab_ = 0, prompt_len_ = 0, seen_ids_ = 0;
+  std::vector<int> counted_;                // the history counted
+  std::vector<uint32_t> seen_, generated_;  // counts by id
+  std::vector<uint64_t> seen_bits_, generated_bits_;
+};
+
 class Sampler {
  public:
   // Validates params (throws lily::Error).
@@ -123,10 +149,7 @@ class Sampler {
   void apply_penalties(std::span<const int> history, size_t prompt_len);
   // What frequency and presence penalties take off a logit seen `count` times.
   float penalty_sub(float count) const;
-  // fn(id, count) for each distinct generated token (history[prompt_len:]),
-  // ascending ids.
-  template <typename Fn>
-  void for_each_generated(std::span<const int> history, size_t prompt_len, Fn fn);
+  bool penalised() const;
   // order_ = the n most likely tokens of work_, most likely first.
   void select_top(size_t n);
   double uniform();
@@ -137,7 +160,7 @@ class Sampler {
   std::vector<float> work_;
   std::vector<int> order_;
   std::vector<double> weights_;
-  std::vector<int> counts_scratch_;
+  TokenCounts counts_;
   std::vector<int> crossing_;
 };
 
