@@ -424,7 +424,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   // looks at the parameters, not at a history's adjustments).
   const bool backend_picks = [&] {
     if (!backend_sampling || params.top_logprobs >= 0) return false;
-    const std::optional<TokenSampling> probe = sampler.backend_request({}, 0, V);
+    const std::optional<TokenSampling> probe = sampler.backend_params(V);
     return probe && backend_.can_sample(*probe);
   }();
   // A draft run's rows too, where no grammar may mask any of them.

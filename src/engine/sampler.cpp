@@ -134,6 +134,15 @@ double Sampler::uniform() { return static_cast<double>(rng_() >> 11) * 0x1.0p-53
 
 // ---------------------------------------------------------------- counts
 
+namespace {
+
+void check_history_id(int t, size_t vocab) {
+  if (t < 0 || static_cast<size_t>(t) >= vocab)
+    fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab);
+}
+
+}  // namespace
+
 void TokenCounts::sync(std::span<const int> history, size_t prompt_len, size_t vocab) {
   if (vocab != vocab_ || prompt_len != prompt_len_) {
     vocab_ = vocab;
@@ -165,8 +174,7 @@ void TokenCounts::sync(std::span<const int> history, size_t prompt_len, size_t v
   }
   for (size_t i = common; i < history.size(); ++i) {
     const int t = history[i];
-    if (t < 0 || static_cast<size_t>(t) >= vocab_)
-      fail("Sampler: history token id ", t, " is outside the vocabulary of ", vocab_);
+    check_history_id(t, vocab_);
     add(t, i >= prompt_len_, 1);
     counted_.push_back(t);
   }
@@ -217,9 +225,7 @@ bool Sampler::penalised() const {
 
 void Sampler::apply_penalties(std::span<const int> history, size_t prompt_len) {
   if (!penalised()) {
-    for (int t : history)
-      if (t < 0 || static_cast<size_t>(t) >= work_.size())
-        fail("Sampler: history token id ", t, " is outside the vocabulary of ", work_.size());
+    for (int t : history) check_history_id(t, work_.size());
     return;
   }
   counts_.sync(history, prompt_len, work_.size());
@@ -235,8 +241,7 @@ float Sampler::penalty_sub(float count) const {
   return params_.frequency_penalty * count + params_.presence_penalty;
 }
 
-std::optional<TokenSampling> Sampler::backend_request(std::span<const int> history, size_t prompt_len,
-                                                      size_t vocab) {
+std::optional<TokenSampling> Sampler::backend_params(size_t vocab) const {
   const SamplingParams& p = params_;
   const bool whole = p.top_k <= 0 || static_cast<size_t>(p.top_k) >= vocab;
   if (!p.greedy() && !whole && p.top_k > kMaxBackendTopK) return std::nullopt;
@@ -246,6 +251,15 @@ std::optional<TokenSampling> Sampler::backend_request(std::span<const int> histo
   r.top_p = p.top_p;
   r.min_p = p.min_p;
   r.rep_penalty = p.repetition_penalty;
+  return r;
+}
+
+std::optional<TokenSampling> Sampler::backend_request(std::span<const int> history, size_t prompt_len,
+                                                      size_t vocab) {
+  const SamplingParams& p = params_;
+  std::optional<TokenSampling> req = backend_params(vocab);
+  if (!req) return std::nullopt;
+  TokenSampling& r = *req;
   // Each listed id once, ascending, with what sample() does to its logit in
   // sample()'s order: the bias, the repetition penalty, then the others.
   std::vector<std::pair<int, float>> bias(p.logit_bias.begin(), p.logit_bias.end());
@@ -273,26 +287,22 @@ std::optional<TokenSampling> Sampler::backend_request(std::span<const int> histo
     counts_.sync(history, prompt_len, vocab);
     a.reserve(bias.size() + counts_.seen_ids());
     const bool rep = p.repetition_penalty != 1.0f, sub = p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f;
-    // Every generated id is a seen one: one ascending pass over the seen
-    // ids where the repetition penalty applies, else over the generated.
+    // Every generated id is a seen one: the repetition penalty's entries
+    // (ascending) already hold each; else the generated ids get their own.
     if (rep) counts_.for_each_seen([&](int id) { entry(id).ops |= LogitAdjust::kRep; });
     if (sub) {
-      size_t at = 0;  // rep's entries are ascending: find each generated id among them
+      size_t at = 0;
       counts_.for_each_generated([&](int id, float count) {
-        LogitAdjust* e = nullptr;
-        if (rep) {
+        if (rep)
           while (a[at].id != id) ++at;
-          e = &a[at];
-        } else {
-          e = &entry(id);
-        }
-        e->ops |= LogitAdjust::kSub;
-        e->sub = penalty_sub(count);
+        LogitAdjust& e = rep ? a[at] : entry(id);
+        e.ops |= LogitAdjust::kSub;
+        e.sub = penalty_sub(count);
       });
     }
   }
   bias_before(std::numeric_limits<int>::max());
-  return r;
+  return req;
 }
 
 void Sampler::backend_draw(std::span<TokenSampling> rows) {

@@ -135,6 +135,9 @@ class Sampler {
   // logit_bias id outside the vocabulary.
   std::optional<TokenSampling> backend_request(std::span<const int> history, size_t prompt_len,
                                                size_t vocab);
+  // The request's parameters alone (no adjustments): what a backend's
+  // can_sample looks at; nullopt as backend_request.
+  std::optional<TokenSampling> backend_params(size_t vocab) const;
   // Puts the next samples' draws into rows[i].u (sampling; greedy draws
   // nothing), one a row, as successive sample() calls would draw them; once
   // the backend has chosen, backend_done(n) keeps the first n draws (those
