@@ -494,6 +494,70 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   }
   return j;
 }
+// On-device sampling alone (--sampling; cuda): each parameter set on rows of
+// random normal logits of the model's vocabulary, 1 row (a decode step) and
+// 9 (a draft run's), host time per call and device time per launch.
+nlohmann::ordered_json bench_sampling(std::unique_ptr<ModelWeights> w, const Setup& s) {
+  cuda::CudaOptions opt = cuda::options_from_env();
+  opt.seed = s.seed;
+  auto b = cuda::make_cuda_backend(std::move(w), opt);
+  const int V = b->config().vocab_size;
+  struct Set {
+    const char* name;
+    TokenSampling t;
+  };
+  auto make = [](float temp, int k, float top_p, float min_p) {
+    TokenSampling t;
+    t.temperature = temp;
+    t.top_k = k;
+    t.top_p = top_p;
+    t.min_p = min_p;
+    return t;
+  };
+  TokenSampling pen = make(0.7f, 20, 0.8f, 0.f);
+  pen.rep_penalty = 1.1f;
+  for (int id = 7; id < V && pen.adjust.size() < 2000; id += 97) {
+    LogitAdjust a;
+    a.id = id;
+    a.ops = LogitAdjust::kRep | LogitAdjust::kSub;
+    a.sub = 1.5f;
+    pen.adjust.push_back(a);
+  }
+  const Set sets[] = {{"greedy", make(0.f, 1, 1.f, 0.f)},
+                      {"T0.7 top_k20 top_p0.8", make(0.7f, 20, 0.8f, 0.f)},
+                      {"  + rep 1.1, presence 1.5 on 2000 ids", pen},
+                      {"T1.0 top_k128", make(1.f, 128, 1.f, 0.f)},
+                      {"T1.0 (whole vocabulary)", make(1.f, 0, 1.f, 0.f)},
+                      {"T0.7 top_p0.8 (whole)", make(0.7f, 0, 0.8f, 0.f)},
+                      {"T0.7 top_p0.95 min_p0.05 (whole)", make(0.7f, 0, 0.95f, 0.05f)}};
+  nlohmann::ordered_json j, rj = nlohmann::ordered_json::array();
+  j["device"] = cuda::device_name();
+  j["model"] = s.model_desc;
+  j["vocab"] = V;
+  j["method"] = "rows of normal(0, 2.5) logits; host time of one sampling call (adjustments up, launches, result "
+                "back, synchronised) and device time of each launch (events), medians of 200";
+  std::printf("on-device sampling, vocabulary %d (%s): us per call (host) | per launch (device)\n", V,
+              cuda::device_name().c_str());
+  for (const Set& set : sets)
+    for (int rows : {1, 9}) {
+      if (!b->can_sample(set.t)) {
+        std::printf("  %-40s rows %2d: not sampled on the device with these options\n", set.name, rows);
+        continue;
+      }
+      const auto t = b->sample_timing(set.t, rows, 200, s.seed);
+      std::printf("  %-40s rows %2d: %7.1f |", set.name, rows, t.call_us);
+      double sum = 0;
+      for (double k : t.kernel_us) {
+        std::printf(" %6.1f", k);
+        sum += k;
+      }
+      std::printf("  (sum %.1f)\n", sum);
+      rj.push_back({{"set", set.name}, {"rows", rows}, {"call_us", t.call_us}, {"kernel_us", t.kernel_us}});
+    }
+  j["results"] = rj;
+  return j;
+}
+
 #endif
 
 // Bytes one decode step of the CPU backend reads at context ctx: every
@@ -928,7 +992,7 @@ int cmd_bench(int argc, char** argv) {
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
           "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p"},
-         {"--profile", "--trace", "--handover"});
+         {"--profile", "--trace", "--handover", "--sampling"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.cpu_act = a.str("--cpu-act", "auto");
@@ -942,8 +1006,8 @@ int cmd_bench(int argc, char** argv) {
   s.trace = a.has("--trace");
   s.handover = a.has("--handover");
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
-  if (a.has("--draft") + a.has("--reuse") + a.has("--generate") > 1)
-    fail("bench: give at most one of --draft, --reuse, --generate");
+  if (a.has("--draft") + a.has("--reuse") + a.has("--generate") + a.has("--sampling") > 1)
+    fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
   // --generate: checked before the model loads.
   for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
@@ -967,7 +1031,14 @@ int cmd_bench(int argc, char** argv) {
     s.model_desc = a.str("--model");
   }
   nlohmann::ordered_json j;
-  if (a.has("--generate")) {
+  if (a.has("--sampling")) {
+#ifdef LILY_HAVE_CUDA
+    if (s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
+    j = bench_sampling(std::move(w), s);
+#else
+    fail("bench --sampling: lily was built without CUDA");
+#endif
+  } else if (a.has("--generate")) {
     j = bench_generate(std::move(w), s, generate, sampling, static_cast<int>(a.integer("--threads", 0, 0, 1024)),
                        a.str("--kv"));
   } else if (a.has("--draft")) {

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <random>
 
 #include <cuda_profiler_api.h>
 
@@ -1565,7 +1566,8 @@ struct CudaBackend::Impl {
   // chosen on the device with s[r] (sample.cu), queued after what the
   // stream holds; ids / drew back on the host. Fails as the Sampler does on
   // a row with no finite logit.
-  void sample_rows(std::span<const TokenSampling> s, const float* rows, int* ids, int* drew) {
+  void sample_rows(std::span<const TokenSampling> s, const float* rows, int* ids, int* drew,
+                   cudaEvent_t* marks = nullptr) {
     const int R = static_cast<int>(s.size()), V = c.vocab_size;
     const TokenSampling& s0 = s.front();
     const int kc = s0.temperature == 0.f ? 1 : s0.top_k;
@@ -1590,8 +1592,10 @@ struct CudaBackend::Impl {
       std::memcpy(adj + off[r], s[r].adjust.data(), s[r].adjust.size() * sizeof(LogitAdjust));
       off[r + 1] = off[r] + static_cast<int>(s[r].adjust.size());
     }
-    if (s_adjust.bytes() < up) s_adjust.alloc(up);
-    LILY_CUDA(cudaMemcpyAsync(s_adjust.get(), s_pinned.as<void>(), up, cudaMemcpyHostToDevice, stream));
+    if (na > 0) {  // without adjustments nothing goes up (the kernels take null offsets as none)
+      if (s_adjust.bytes() < up) s_adjust.alloc(up);
+      LILY_CUDA(cudaMemcpyAsync(s_adjust.get(), s_pinned.as<void>(), up, cudaMemcpyHostToDevice, stream));
+    }
     const size_t ws = cuda::sample_workspace_bytes(V, kc, R);
     if (s_cand.bytes() < ws) s_cand.alloc(ws);
     if (s_out.bytes() < 2 * sizeof(int) * cuda::kMaxSampleRows) s_out.alloc(2 * sizeof(int) * cuda::kMaxSampleRows);
@@ -1600,8 +1604,8 @@ struct CudaBackend::Impl {
     a.V = V;
     a.rows = R;
     a.row_stride = static_cast<size_t>(V);
-    a.adjust = reinterpret_cast<const LogitAdjust*>(s_adjust.as<char>() + kOffBytes);
-    a.adjust_off = s_adjust.as<int>();
+    a.adjust = na > 0 ? reinterpret_cast<const LogitAdjust*>(s_adjust.as<char>() + kOffBytes) : nullptr;
+    a.adjust_off = na > 0 ? s_adjust.as<int>() : nullptr;
     a.rep_penalty = s0.rep_penalty;
     a.kc = kc;
     a.temperature = s0.temperature;
@@ -1610,7 +1614,7 @@ struct CudaBackend::Impl {
     for (int r = 0; r < R; ++r) a.u[r] = s[r].u;
     a.cand = s_cand.as<uint64_t>();
     a.out = s_out.as<int>();
-    cuda::launch_sample(a, stream);
+    cuda::launch_sample(a, stream, marks);
     int* res = reinterpret_cast<int*>(s_pinned.as<char>() + res_at);
     LILY_CUDA(cudaMemcpyAsync(res, s_out.get(), 2 * sizeof(int) * R, cudaMemcpyDeviceToHost, stream));
     LILY_CUDA(cudaStreamSynchronize(stream));
@@ -2263,6 +2267,53 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
   r.weights_wait_us = med(d[2]);
   r.compute_us = med(d[3]);
   return r;
+}
+
+CudaBackend::SampleTiming CudaBackend::sample_timing(const TokenSampling& s, int rows, int iters, uint64_t seed) {
+  Impl& m = *impl_;
+  const int V = m.c.vocab_size;
+  if (rows < 1 || rows > cuda::kMaxSampleRows) fail("sample_timing: ", rows, " rows (1..", cuda::kMaxSampleRows, ")");
+  if (!can_sample(s)) fail("sample_timing: these parameters are not sampled on the device");
+  // Logits shaped like a language model's: normal, sd 2.5 (a few dozen ids
+  // within two nats of the best of 248K), each row its own.
+  std::vector<float> h(size_t(rows) * V);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 2.5f);
+  for (float& v : h) v = nd(rng);
+  DeviceBuffer logits(h.size() * sizeof(float));
+  LILY_CUDA(cudaMemcpy(logits.get(), h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+  std::vector<TokenSampling> rs(static_cast<size_t>(rows), s);
+  std::vector<int> ids(static_cast<size_t>(rows)), drew(static_cast<size_t>(rows));
+  cudaEvent_t ev[cuda::kSampleLaunches + 1];
+  for (cudaEvent_t& e : ev) LILY_CUDA(cudaEventCreate(&e));
+  const int launches = s.temperature != 0.f && s.top_k == 0 ? 5 : 2;  // sample.cu's two paths
+  std::vector<double> call;
+  std::vector<std::vector<double>> per(static_cast<size_t>(launches));
+  std::uniform_real_distribution<double> ud(0.0, 1.0);
+  for (int it = 0; it < iters + 3; ++it) {
+    for (TokenSampling& r : rs) r.u = ud(rng);
+    const auto t0 = std::chrono::steady_clock::now();
+    m.sample_rows(rs, logits.as<float>(), ids.data(), drew.data());
+    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    cuda::spin_device(400000, m.stream);  // ~0.2 ms: the launches behind it are queued when it ends
+    m.sample_rows(rs, logits.as<float>(), ids.data(), drew.data(), ev);
+    if (it < 3) continue;  // warm-up
+    call.push_back(us);
+    for (int k = 0; k < launches; ++k) {
+      float ms = 0.f;
+      LILY_CUDA(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+      per[size_t(k)].push_back(ms * 1e3);
+    }
+  }
+  for (cudaEvent_t& e : ev) LILY_CUDA(cudaEventDestroy(e));
+  auto med = [](std::vector<double> v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  SampleTiming t;
+  t.call_us = med(call);
+  for (auto& v : per) t.kernel_us.push_back(med(v));
+  return t;
 }
 
 double CudaBackend::resident_chain_us(const std::vector<ResidentLaunch>& chain, int threads) {

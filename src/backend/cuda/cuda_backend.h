@@ -189,6 +189,16 @@ class CudaBackend : public Backend {
     int rows, per_sm, mode;
   };
   double resident_chain_us(const std::vector<ResidentLaunch>& chain, int threads);
+  // On-device sampling alone (bench): `rows` rows of random logits of the
+  // model's vocabulary sampled with s, `iters` times; the median host time
+  // of one call (upload of the adjustments, the launches, the result back)
+  // and the median device time of each launch (events between them, the
+  // launches queued behind a spinning kernel, as behind a decode step).
+  struct SampleTiming {
+    double call_us = 0;
+    std::vector<double> kernel_us;
+  };
+  SampleTiming sample_timing(const TokenSampling& s, int rows, int iters, uint64_t seed);
   // The whole decode step captured once with per-block timeline records
   // (TraceSpec) and replayed; returns the last replay's launches in step
   // order. sm_mhz converts the SM-clock intervals. The cache's position is

@@ -423,6 +423,9 @@ void launch_resident_probe(const float* x, float* y, const uint4* w, const float
                            int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
 double measure_sm_clock_mhz(cudaStream_t s);
+// One thread busy for `cycles` SM clocks (bench: launches queued behind it
+// start back to back, as they do behind a decode step).
+void spin_device(long long cycles, cudaStream_t s);
 
 // ---- On-device sampling (sample.cu; the pipeline: backend/sampling.h) --------
 constexpr int kMaxSampleRows = 16;  // rows of one launch (a draft run's)
@@ -441,7 +444,10 @@ struct SampleArgs {
   int* out = nullptr;        // row r: [2r] the token, [2r + 1] 1: the draw was used, 2: no finite logit
 };
 size_t sample_workspace_bytes(int V, int kc, int rows = 1);
-void launch_sample(const SampleArgs& a, cudaStream_t s);
+// marks (bench): when given, an event is recorded before each launch and one
+// after the last (at most kSampleLaunches + 1); returns the launches made.
+constexpr int kSampleLaunches = 5;
+int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks = nullptr);
 
 // ---- Random fills for synthetic models and benchmark caches ------------------
 void fill_random_u32(uint32_t* p, size_t n, uint64_t seed, cudaStream_t s);

@@ -414,6 +414,12 @@ __global__ void clock_probe_kernel(unsigned long long* out, long long cycles) {
   out[1] = t1 - t0;
 }
 
+__global__ void spin_kernel(long long cycles) {
+  const long long c0 = clock64();
+  while (clock64() - c0 < cycles) {
+  }
+}
+
 dim3 fill_grid(size_t n) {
   const size_t blocks = (n + 255) / 256;
   return dim3(static_cast<unsigned>(std::min<size_t>(blocks, size_t(device_sm_count()) * 16)));
@@ -522,6 +528,11 @@ double measure_sm_clock_mhz(cudaStream_t s) {
   LILY_CUDA(cudaStreamSynchronize(s));
   LILY_CUDA(cudaMemcpy(h, b.get(), 16, cudaMemcpyDeviceToHost));
   return h[1] ? double(h[0]) / double(h[1]) * 1e3 : 0.0;
+}
+
+void spin_device(long long cycles, cudaStream_t s) {
+  spin_kernel<<<1, 1, 0, s>>>(cycles);
+  check_launch("spin");
 }
 
 void fill_random_u32(uint32_t* p, size_t n, uint64_t seed, cudaStream_t s) {

@@ -3,20 +3,19 @@
 //   1. sample_block_kernel: 2,048 logits a block (NaN as -inf, the listed
 //      adjustments applied in the Sampler's order) as 64-bit keys (the
 //      value's order-preserving bits, then the complement of the id, so
-//      that a descending sort puts the lower id first on ties), sorted in
-//      the block; its first kc keys (kc = top_k, or 1 when greedy) go to
-//      the candidates.
-//   2. sample_pick_kernel (one block): the candidates merged to the global
-//      top kc (4,096 keys a round, the best kc so far carried along), then
-//      the Sampler's listed path: weights in double, top_p, min_p and the
-//      draw walked sequentially in order, as the CPU walks them.
-// A block's sort and the merge see the same keys whatever the block split,
-// so the result is the top kc of the whole row. Several rows (a draft run's)
+//      that the larger key is the larger value, the lower id on ties); the
+//      block's kc largest keys (kc = top_k, or 1 when greedy), found by a
+//      radix select, go to the candidates in no particular order.
+//   2. sample_pick_kernel (one block): the candidates' kc largest by the
+//      same select, ranked, then the Sampler's listed path: weights in
+//      double, top_p, min_p and the draw walked sequentially in order, as
+//      the CPU walks them.
+// Keys are unique, so each block's set and the final set are the top kc of
+// the whole row whatever the block split or the order of the candidates. Several rows (a draft run's)
 // go in one launch of each: blockIdx.y / blockIdx.x is the row.
 
 #include <climits>
 
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -29,7 +28,7 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kSbThreads = 256, kSbItems = 8, kSbPerBlock = kSbThreads * kSbItems;
-constexpr int kSpThreads = 1024, kSpItems = 4, kSpKeys = kSpThreads * kSpItems;
+constexpr int kSpThreads = 1024;
 
 // Order-preserving bits of a float (larger float, larger key); -0 as +0 so
 // that the two zeros tie, as they compare on the CPU.
@@ -92,55 +91,144 @@ __device__ void load_adjusted(const SampleArgs& a, int row, int base, float* val
   __syncthreads();
 }
 
+// ---- Top kc by radix select -------------------------------------------------
+// Keys are unique but for 0 (padding past the row, below every real key: a
+// -inf logit still has nonzero bits), so the kc largest nonzero keys are one
+// set whatever the order they are listed in.
+struct SelectSpace {
+  int hist[256];
+  uint64_t prefix;
+  int need, done, count;
+};
+
+// The set of the k largest nonzero keys among key_at(0..n-1), as a threshold:
+// it is {nonzero keys >= the return value}, of min(k, nonzero keys) members.
+// 8 bits a pass from the top; a pass that leaves exactly the keys still
+// needed under the prefix ends it (random keys: 2-4 passes, not 8). Every
+// thread of the block calls it; ends with a barrier.
+template <class KeyAt>
+__device__ uint64_t block_select_kth(KeyAt key_at, int n, int k, SelectSpace& sp) {
+  const int tid = threadIdx.x, lane = tid & 31, nt = blockDim.x;
+  if (tid == 0) {
+    sp.prefix = 0;
+    sp.need = k;
+    sp.done = 0;
+  }
+  uint64_t mask = 0;
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int d = tid; d < 256; d += nt) sp.hist[d] = 0;
+    __syncthreads();
+    const uint64_t prefix = sp.prefix;
+    for (int i0 = 0; i0 < n; i0 += nt) {  // every lane of a warp takes each step
+      const int i = i0 + tid;
+      const uint64_t key = i < n ? key_at(i) : 0ull;
+      const bool valid = key != 0ull && (key & mask) == prefix;
+      const unsigned vm = __ballot_sync(0xffffffffu, valid);
+      if (!vm) continue;
+      const int d = valid ? int((key >> shift) & 255) : 256;
+      const int d0 = __shfl_sync(0xffffffffu, d, __ffs(vm) - 1);
+      if (__all_sync(0xffffffffu, !valid || d == d0)) {  // one digit: one atomic for the warp
+        if (lane == __ffs(vm) - 1) atomicAdd(&sp.hist[d0], __popc(vm));
+      } else {  // one atomic per distinct digit
+        const unsigned peers = __match_any_sync(0xffffffffu, d);
+        if (valid && lane == __ffs(peers) - 1) atomicAdd(&sp.hist[d], __popc(peers));
+      }
+    }
+    __syncthreads();
+    if (tid < 32) {  // lane l holds digits 255 - 8l down to 248 - 8l
+      int c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = sp.hist[255 - 8 * lane - j];
+        sum += c[j];
+      }
+      int incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int need = sp.need, total = __shfl_sync(0xffffffffu, incl, 31);
+      const int excl = incl - sum;
+      __syncwarp();
+      if (total < need) {  // fewer nonzero keys than needed under the prefix: only on the first pass
+        if (lane == 0) sp.done = 2;
+      } else if (excl < need && need <= incl) {
+        int acc = excl;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (acc + c[j] >= need) {
+            const int dig = 255 - 8 * lane - j;
+            sp.prefix = prefix | (uint64_t(dig) << shift);
+            sp.need = need - acc;
+            sp.done = c[j] == need - acc;
+            break;
+          }
+          acc += c[j];
+        }
+      }
+    }
+    __syncthreads();
+    if (sp.done) break;
+    mask |= uint64_t(255) << shift;
+  }
+  const uint64_t t = sp.done == 2 ? 1ull : sp.prefix;
+  __syncthreads();  // every thread has read sp before it is reused
+  return t;
+}
+
+// out[0..k) = the k largest nonzero keys of key_at(0..n-1) in no particular
+// order, 0 in the slots past the nonzero keys. Ends with a barrier.
+template <class KeyAt>
+__device__ void block_top_k(KeyAt key_at, int n, int k, uint64_t* out, SelectSpace& sp) {
+  const uint64_t t = block_select_kth(key_at, n, k, sp);
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid == 0) sp.count = 0;
+  __syncthreads();
+  for (int i0 = 0; i0 < n; i0 += blockDim.x) {
+    const int i = i0 + tid;
+    const uint64_t key = i < n ? key_at(i) : 0ull;
+    const bool in = key != 0ull && key >= t;
+    const unsigned m = __ballot_sync(0xffffffffu, in);
+    if (!m) continue;
+    int at = 0;
+    if (lane == __ffs(m) - 1) at = atomicAdd(&sp.count, __popc(m));
+    at = __shfl_sync(0xffffffffu, at, __ffs(m) - 1) + __popc(m & ((1u << lane) - 1));
+    if (in && at < k) out[at] = key;  // at < k always: a guard against a broken count
+  }
+  __syncthreads();
+  for (int r = sp.count + tid; r < k; r += blockDim.x) out[r] = 0ull;
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleArgs a) {
-  using Sort = cub::BlockRadixSort<uint64_t, kSbThreads, kSbItems>;
-  __shared__ typename Sort::TempStorage sort_tmp;
   __shared__ float vals[kSbPerBlock];
+  __shared__ SelectSpace sp;
   __shared__ int first_adjust;
-  const int tid = threadIdx.x, base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
+  const int base = blockIdx.x * kSbPerBlock, row = blockIdx.y;
   load_adjusted<kSbPerBlock>(a, row, base, vals, &first_adjust);
-  uint64_t keys[kSbItems];
-#pragma unroll
-  for (int i = 0; i < kSbItems; ++i) {
-    const int at = tid * kSbItems + i, id = base + at;
-    keys[i] = id < a.V ? make_key(vals[at], id) : 0ull;  // past the row: below every real key (-inf included)
-  }
-  Sort(sort_tmp).SortDescending(keys);
-#pragma unroll
-  for (int i = 0; i < kSbItems; ++i) {
-    const int r = tid * kSbItems + i;
-    if (r < a.kc) a.cand[(size_t(row) * gridDim.x + blockIdx.x) * a.kc + r] = keys[i];
-  }
+  const int n = min(kSbPerBlock, a.V - base);
+  block_top_k([&](int i) { return make_key(vals[i], base + i); }, n, a.kc,
+              a.cand + (size_t(row) * gridDim.x + blockIdx.x) * a.kc, sp);
 }
 
 __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArgs a, int n_cand) {
-  using Sort = cub::BlockRadixSort<uint64_t, kSpThreads, kSpItems>;
-  __shared__ typename Sort::TempStorage sort_tmp;
+  __shared__ SelectSpace sp;
+  __shared__ uint64_t sel[kMaxBackendTopK];
   __shared__ uint64_t best[kMaxBackendTopK];
   __shared__ double w[kMaxBackendTopK];
   __shared__ int ids[kMaxBackendTopK];
   const int tid = threadIdx.x, kc = a.kc, row = blockIdx.x;
   const uint64_t* cand = a.cand + size_t(row) * n_cand;
   int* out = a.out + 2 * row;
-  if (tid < kc) best[tid] = 0ull;
-  __syncthreads();
-  // Rounds of kSpKeys keys: the best kc so far, then the next candidates.
-  for (int c0 = 0; c0 < n_cand; c0 += kSpKeys - kc) {
-    uint64_t keys[kSpItems];
-#pragma unroll
-    for (int i = 0; i < kSpItems; ++i) {
-      const int s = tid * kSpItems + i;
-      keys[i] = s < kc ? best[s] : (c0 + s - kc < n_cand ? cand[c0 + s - kc] : 0ull);
-    }
-    __syncthreads();  // every thread has read best[]
-    Sort(sort_tmp).SortDescending(keys);
-#pragma unroll
-    for (int i = 0; i < kSpItems; ++i) {
-      const int r = tid * kSpItems + i;
-      if (r < kc) best[r] = keys[i];
-    }
-    __syncthreads();
+  block_top_k([&](int i) { return cand[i]; }, n_cand, kc, sel, sp);
+  if (tid < kc) {  // each key's rank, descending (the zeros of a short row by slot)
+    const uint64_t key = sel[tid];
+    int r = 0;
+    for (int j = 0; j < kc; ++j) r += sel[j] > key || (sel[j] == key && j < tid);
+    best[r] = key;
   }
+  __syncthreads();
   const float top = key_value(best[0]);
   if (tid == 0) {
     out[0] = key_id(best[0]);
@@ -385,19 +473,54 @@ __global__ void __launch_bounds__(kWvBuckets) wv_cross_kernel(const SampleArgs a
   }
   if (!(a.top_p < 1.f) || !(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;
   double m = 0.0;  // the blocks in order: the same sum every run
-  for (int b = 0; b < nb; ++b) m += p.bhist[(size_t(row) * nb + b) * kWvBuckets + tid];
+  const double* h = p.bhist + size_t(row) * nb * kWvBuckets + tid;
+  int b = 0;
+  for (; b + 4 <= nb; b += 4) {  // four loads in flight
+    const double h0 = h[size_t(b) * kWvBuckets], h1 = h[size_t(b + 1) * kWvBuckets];
+    const double h2 = h[size_t(b + 2) * kWvBuckets], h3 = h[size_t(b + 3) * kWvBuckets];
+    m += h0;
+    m += h1;
+    m += h2;
+    m += h3;
+  }
+  for (; b < nb; ++b) m += h[size_t(b) * kWvBuckets];
   mass[tid] = m;
   __syncthreads();
-  if (tid != 0) return;
+  if (tid >= 32) return;
+  // One warp: the row's total (lane-strided, then a fixed tree: the same sum
+  // every run), then the buckets walked from the first, 16 a lane.
+  const int lane = tid;
   double total = 0.0;
-  for (int b = 0; b < nb; ++b) total += p.btot[size_t(row) * nb + b];
+  for (int k = lane; k < nb; k += 32) total += p.btot[size_t(row) * nb + k];
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
   const double target = double(a.top_p) * total;
-  int cross = 0;
-  double before = 0.0;
-  while (cross < kWvBuckets - 1 && before + mass[cross] < target) before += mass[cross++];
-  st.cross = cross;
-  st.before = before;
-  st.target = target;
+  constexpr int kPer = kWvBuckets / 32;
+  double mm[kPer], sum = 0.0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    mm[j] = mass[kPer * lane + j];
+    sum += mm[j];
+  }
+  double incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const double v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  double before = incl - sum;
+  int cross = -1;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {  // the first bucket whose mass reaches the target; the last one at most
+    if (cross >= 0) continue;
+    if (kPer * lane + j == kWvBuckets - 1 || before + mm[j] >= target) cross = kPer * lane + j;
+    else before += mm[j];
+  }
+  const unsigned found = __ballot_sync(0xffffffffu, cross >= 0);  // lane 31 always finds
+  if (lane == __ffs(found) - 1) {
+    st.cross = cross;
+    st.before = before;
+    st.target = target;
+  }
 }
 
 __global__ void __launch_bounds__(kWvThreads) wv_split_kernel(const SampleArgs a, const WvSpace p) {
@@ -464,30 +587,54 @@ __device__ uint64_t wv_select(const WvItem* items, int n, uint64_t lo, float min
       hist_add(hm, hc, valid, int((e.key >> shift) & 255), e.w);
     }
     __syncthreads();
-    if (tid == 0) {
-      double acc = 0.0, tt = s_t;
-      int chosen = -1, last = -1;
-      for (int d = 255; d >= 0; --d) {
-        if (hc[d] == 0) continue;
-        last = d;
-        const double m = acc + hm[d];
-        if (strict ? m > tt : m >= tt) {
-          chosen = d;
-          break;
-        }
-        acc = m;
+    if (tid < 32) {  // lane l holds digits 255 - 8l down to 248 - 8l, walked from the top
+      const int lane = tid;
+      double m[8], sum = 0.0;
+      int c[8], last = -1;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int d = 255 - 8 * lane - j;
+        c[j] = hc[d];
+        m[j] = hm[d];
+        sum += m[j];
+        if (c[j]) last = d;
       }
-      if (chosen < 0 && shift == 56) {
-        s_state = 2;
-      } else {
-        if (chosen < 0) {  // the digits' sums fell short of their bin's in the last bits: its last item
-          chosen = last;
-          tt = INFINITY;
-          acc = 0.0;
+      double incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const double v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const double tt = s_t;
+      double acc = incl - sum;
+      int chosen = -1;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (chosen >= 0 || c[j] == 0) continue;
+        const double mm = acc + m[j];
+        if (strict ? mm > tt : mm >= tt) chosen = j;
+        else acc = mm;
+      }
+      const unsigned found = __ballot_sync(0xffffffffu, chosen >= 0);
+      const unsigned any = __ballot_sync(0xffffffffu, last >= 0);
+      __syncwarp();
+      if (found) {  // the first lane where the running mass reaches t
+        if (lane == __ffs(found) - 1) {
+          const int d = 255 - 8 * lane - chosen;
+          s_t = tt - acc;
+          s_prefix = prefix | (uint64_t(d) << shift);
+          if (c[chosen] == 1) s_state = 1;
         }
-        s_t = tt - acc;
-        s_prefix = prefix | (uint64_t(chosen) << shift);
-        if (hc[chosen] == 1) s_state = 1;
+      } else if (shift == 56 || !any) {
+        if (lane == 0) s_state = 2;
+      } else if (lane == 31 - __clz(any)) {  // the digits' sums fell short of their bin's in the last bits: its last item
+        s_t = INFINITY;
+        s_prefix = prefix | (uint64_t(last) << shift);
+        int cl = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (255 - 8 * lane - j == last) cl = c[j];
+        if (cl == 1) s_state = 1;
       }
     }
     __syncthreads();
@@ -537,24 +684,49 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
     if (e.key >= theta && (!(a.min_p > 0.f) || e.w >= double(a.min_p))) c += e.w;
   }
   c = Reduce(tmp.reduce).Sum(c);
-  if (tid == 0) {
+  if (tid < 32) {  // one warp: the kept mass outside the crossing bucket, and where the draw falls
+    const int lane = tid, per = (nb + 31) / 32, b0 = lane * per, b1 = min(nb, b0 + per);
     const double* bkept = p.bkept + size_t(row) * nb;
-    double lower = 0.0;
-    for (int b = 0; b < nb; ++b) lower += bkept[b];
+    double lower = 0.0;  // lane-strided, then a fixed tree: the same sum every run
+    for (int k = lane; k < nb; k += 32) lower += bkept[k];
+    for (int o = 16; o > 0; o >>= 1) lower += __shfl_xor_sync(0xffffffffu, lower, o);
+    c = __shfl_sync(0xffffffffu, c, 0);  // the block sum is thread 0's
     const double r = a.u[row] * (lower + c);
-    s_block = -1;
-    s_mass = r - lower;
+    if (lane == 0) {
+      s_block = -1;
+      s_mass = r - lower;
+    }
     if (r < lower || !(c > 0.0)) {  // in the ids outside the crossing bucket: which block
-      double acc = 0.0;
-      int last = -1;
-      for (int b = 0; b < nb; ++b) {
-        if (!(bkept[b] > 0.0)) continue;
-        last = b;
-        if (r < acc + bkept[b]) break;
-        acc += bkept[b];
+      double sum = 0.0;
+      for (int b = b0; b < b1; ++b) sum += bkept[b] > 0.0 ? bkept[b] : 0.0;
+      double incl = sum;
+      for (int o = 1; o < 32; o <<= 1) {
+        const double v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
       }
-      s_block = last;
-      s_mass = r < lower ? r - acc : INFINITY;
+      double acc = incl - sum;
+      int hit = -1, last = -1;
+      for (int b = b0; b < b1; ++b) {
+        const double k = bkept[b];
+        if (!(k > 0.0)) continue;
+        last = b;
+        if (r < acc + k) {
+          hit = b;
+          break;
+        }
+        acc += k;
+      }
+      const unsigned found = __ballot_sync(0xffffffffu, hit >= 0), any = __ballot_sync(0xffffffffu, last >= 0);
+      __syncwarp();
+      if (found) {
+        if (lane == __ffs(found) - 1) {
+          s_block = hit;
+          s_mass = r - acc;
+        }
+      } else if (lane == (any ? 31 - __clz(any) : 0)) {  // past the end: the last block with kept ids
+        s_block = last;
+        s_mass = r < lower ? r - acc : INFINITY;
+      }
     }
   }
   __syncthreads();
@@ -616,35 +788,53 @@ size_t sample_workspace_bytes(int V, int kc, int rows) {
   return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * size_t(rows) * sizeof(uint64_t);
 }
 
-void launch_sample(const SampleArgs& a, cudaStream_t s) {
+int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
   if (a.V <= 0 || !a.logits || !a.cand || !a.out) fail("launch_sample: empty row or null buffers");
   const bool whole = a.kc == 0 && a.temperature != 0.f;
-  if (!whole && (a.kc < 1 || a.kc > kMaxBackendTopK || a.kc > kSpKeys / 2))
+  if (!whole && (a.kc < 1 || a.kc > kMaxBackendTopK))
     fail("launch_sample: top_k of ", a.kc, " (0: the whole vocabulary, or 1..", kMaxBackendTopK, ")");
   if (a.temperature != 0.f && a.kc >= a.V) fail("launch_sample: top_k of ", a.kc, " is not below the vocabulary");
   if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_sample: ", a.rows, " rows (1..", kMaxSampleRows, ")");
   if (a.rows > 1 && a.row_stride < size_t(a.V)) fail("launch_sample: rows closer than V logits apart");
   if (a.adjust_off && !a.adjust) fail("launch_sample: adjustment offsets without adjustments");
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
+  int made = 0;
+  auto mark = [&] {
+    if (marks) LILY_CUDA(cudaEventRecord(marks[made], s));
+  };
+  auto launched = [&](const char* what) {
+    check_launch(what);
+    ++made;
+  };
   if (whole) {
     const WvSpace p = wv_space(a.cand, a.V, a.rows);
     const int wblocks = (a.V + kWvPerBlock - 1) / kWvPerBlock;
+    mark();
     wv_max_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
-    check_launch("wv_max_kernel");
+    launched("wv_max_kernel");
+    mark();
     wv_weigh_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
-    check_launch("wv_weigh_kernel");
+    launched("wv_weigh_kernel");
+    mark();
     wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, wblocks);
-    check_launch("wv_cross_kernel");
+    launched("wv_cross_kernel");
+    mark();
     wv_split_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
-    check_launch("wv_split_kernel");
+    launched("wv_split_kernel");
+    mark();
     wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, wblocks);
-    check_launch("wv_pick_kernel");
-    return;
+    launched("wv_pick_kernel");
+    mark();
+    return made;
   }
+  mark();
   sample_block_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a);
-  check_launch("sample_block_kernel");
+  launched("sample_block_kernel");
+  mark();
   sample_pick_kernel<<<a.rows, kSpThreads, 0, s>>>(a, blocks * a.kc);
-  check_launch("sample_pick_kernel");
+  launched("sample_pick_kernel");
+  mark();
+  return made;
 }
 
 }  // namespace lily::cuda
