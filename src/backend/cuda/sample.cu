@@ -123,16 +123,9 @@ __device__ uint64_t block_select_kth(KeyAt key_at, int n, int k, SelectSpace& sp
       const int i = i0 + tid;
       const uint64_t key = i < n ? key_at(i) : 0ull;
       const bool valid = key != 0ull && (key & mask) == prefix;
-      const unsigned vm = __ballot_sync(0xffffffffu, valid);
-      if (!vm) continue;
       const int d = valid ? int((key >> shift) & 255) : 256;
-      const int d0 = __shfl_sync(0xffffffffu, d, __ffs(vm) - 1);
-      if (__all_sync(0xffffffffu, !valid || d == d0)) {  // one digit: one atomic for the warp
-        if (lane == __ffs(vm) - 1) atomicAdd(&sp.hist[d0], __popc(vm));
-      } else {  // one atomic per distinct digit
-        const unsigned peers = __match_any_sync(0xffffffffu, d);
-        if (valid && lane == __ffs(peers) - 1) atomicAdd(&sp.hist[d], __popc(peers));
-      }
+      const unsigned peers = __match_any_sync(0xffffffffu, d);
+      if (valid && lane == __ffs(peers) - 1) atomicAdd(&sp.hist[d], __popc(peers));
     }
     __syncthreads();
     if (tid < 32) {  // lane l holds digits 255 - 8l down to 248 - 8l
