@@ -45,6 +45,17 @@ __device__ __forceinline__ uint64_t make_key(float v, int id) {
 __device__ __forceinline__ int key_id(uint64_t k) { return int(0xffffffffu - uint32_t(k)); }
 __device__ __forceinline__ float key_value(uint64_t k) { return from_ordered(uint32_t(k >> 32)); }
 
+// A warp's inclusive running sum of v in lane order (every lane calls it).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
 // A row's adjustments: [*lo, *hi) of a.adjust.
 __device__ __forceinline__ void row_adjust(const SampleArgs& a, int row, int* lo, int* hi) {
   *lo = a.adjust_off ? a.adjust_off[row] : 0;
@@ -135,12 +146,7 @@ __device__ uint64_t block_select_kth(KeyAt key_at, int n, int k, SelectSpace& sp
         c[j] = sp.hist[255 - 8 * lane - j];
         sum += c[j];
       }
-      int incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const int incl = warp_inclusive_sum(sum, lane);
       const int need = sp.need, total = __shfl_sync(0xffffffffu, incl, 31);
       const int excl = incl - sum;
       __syncwarp();
@@ -494,12 +500,7 @@ __global__ void __launch_bounds__(kWvBuckets) wv_cross_kernel(const SampleArgs a
     mm[j] = mass[kPer * lane + j];
     sum += mm[j];
   }
-  double incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const double v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
+  const double incl = warp_inclusive_sum(sum, lane);
   double before = incl - sum;
   int cross = -1;
 #pragma unroll
@@ -592,12 +593,7 @@ __device__ uint64_t wv_select(const WvItem* items, int n, uint64_t lo, float min
         sum += m[j];
         if (c[j]) last = d;
       }
-      double incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const double v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const double incl = warp_inclusive_sum(sum, lane);
       const double tt = s_t;
       double acc = incl - sum;
       int chosen = -1;
@@ -692,11 +688,7 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
     if (r < lower || !(c > 0.0)) {  // in the ids outside the crossing bucket: which block
       double sum = 0.0;
       for (int b = b0; b < b1; ++b) sum += bkept[b] > 0.0 ? bkept[b] : 0.0;
-      double incl = sum;
-      for (int o = 1; o < 32; o <<= 1) {
-        const double v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
+      const double incl = warp_inclusive_sum(sum, lane);
       double acc = incl - sum;
       int hit = -1, last = -1;
       for (int b = b0; b < b1; ++b) {
