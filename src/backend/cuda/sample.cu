@@ -11,8 +11,9 @@
 //      double, top_p, min_p and the draw walked sequentially in order, as
 //      the CPU walks them.
 // Keys are unique, so each block's set and the final set are the top kc of
-// the whole row whatever the block split or the order of the candidates. Several rows (a draft run's)
-// go in one launch of each: blockIdx.y / blockIdx.x is the row.
+// the whole row whatever the block split or the order of the candidates.
+// Several rows (a draft run's) go in one launch of each: blockIdx.y /
+// blockIdx.x is the row.
 
 #include <climits>
 
