@@ -788,38 +788,31 @@ int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
   auto mark = [&] {
     if (marks) LILY_CUDA(cudaEventRecord(marks[made], s));
   };
-  auto launched = [&](const char* what) {
+  auto launched = [&](const char* what) {  // the launch's end mark is the next one's start
     check_launch(what);
     ++made;
+    mark();
   };
+  mark();
   if (whole) {
     const WvSpace p = wv_space(a.cand, a.V, a.rows);
     const int wblocks = (a.V + kWvPerBlock - 1) / kWvPerBlock;
-    mark();
     wv_max_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     launched("wv_max_kernel");
-    mark();
     wv_weigh_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     launched("wv_weigh_kernel");
-    mark();
     wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, wblocks);
     launched("wv_cross_kernel");
-    mark();
     wv_split_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     launched("wv_split_kernel");
-    mark();
     wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, wblocks);
     launched("wv_pick_kernel");
-    mark();
     return made;
   }
-  mark();
   sample_block_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a);
   launched("sample_block_kernel");
-  mark();
   sample_pick_kernel<<<a.rows, kSpThreads, 0, s>>>(a, blocks * a.kc);
   launched("sample_pick_kernel");
-  mark();
   return made;
 }
 
