@@ -494,6 +494,7 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   }
   return j;
 }
+
 // On-device sampling alone (--sampling; cuda): each parameter set on rows of
 // random normal logits of the model's vocabulary, 1 row (a decode step) and
 // 9 (a draft run's), host time per call and device time per launch.
@@ -523,7 +524,7 @@ nlohmann::ordered_json bench_sampling(std::unique_ptr<ModelWeights> w, const Set
     a.sub = 1.5f;
     pen.adjust.push_back(a);
   }
-  const Set sets[] = {{"greedy", make(0.f, 1, 1.f, 0.f)},
+  const Set sets[] = {{"greedy through the kernels (kc 1)", make(0.f, 1, 1.f, 0.f)},
                       {"T0.7 top_k20 top_p0.8", make(0.7f, 20, 0.8f, 0.f)},
                       {"  + rep 1.1, presence 1.5 on 2000 ids", pen},
                       {"T1.0 top_k128", make(1.f, 128, 1.f, 0.f)},
@@ -1008,6 +1009,7 @@ int cmd_bench(int argc, char** argv) {
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
   if (a.has("--draft") + a.has("--reuse") + a.has("--generate") + a.has("--sampling") > 1)
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
+  if (a.has("--sampling") && s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
   // --generate: checked before the model loads.
   for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
@@ -1033,7 +1035,6 @@ int cmd_bench(int argc, char** argv) {
   nlohmann::ordered_json j;
   if (a.has("--sampling")) {
 #ifdef LILY_HAVE_CUDA
-    if (s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
     j = bench_sampling(std::move(w), s);
 #else
     fail("bench --sampling: lily was built without CUDA");

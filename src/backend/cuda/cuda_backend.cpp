@@ -1565,9 +1565,10 @@ struct CudaBackend::Impl {
   // The next token of each of s.size() rows of logits (row r at r * V),
   // chosen on the device with s[r] (sample.cu), queued after what the
   // stream holds; ids / drew back on the host. Fails as the Sampler does on
-  // a row with no finite logit.
-  void sample_rows(std::span<const TokenSampling> s, const float* rows, int* ids, int* drew,
-                   cudaEvent_t* marks = nullptr) {
+  // a row with no finite logit. Returns the launches made (marks: as
+  // launch_sample's).
+  int sample_rows(std::span<const TokenSampling> s, const float* rows, int* ids, int* drew,
+                  cudaEvent_t* marks = nullptr) {
     const int R = static_cast<int>(s.size()), V = c.vocab_size;
     const TokenSampling& s0 = s.front();
     const int kc = s0.temperature == 0.f ? 1 : s0.top_k;
@@ -1614,7 +1615,7 @@ struct CudaBackend::Impl {
     for (int r = 0; r < R; ++r) a.u[r] = s[r].u;
     a.cand = s_cand.as<uint64_t>();
     a.out = s_out.as<int>();
-    cuda::launch_sample(a, stream, marks);
+    const int launches = cuda::launch_sample(a, stream, marks);
     int* res = reinterpret_cast<int*>(s_pinned.as<char>() + res_at);
     LILY_CUDA(cudaMemcpyAsync(res, s_out.get(), 2 * sizeof(int) * R, cudaMemcpyDeviceToHost, stream));
     LILY_CUDA(cudaStreamSynchronize(stream));
@@ -1623,6 +1624,7 @@ struct CudaBackend::Impl {
       ids[r] = res[2 * r];
       drew[r] = res[2 * r + 1] & 1;
     }
+    return launches;
   }
 };
 
@@ -2286,9 +2288,8 @@ CudaBackend::SampleTiming CudaBackend::sample_timing(const TokenSampling& s, int
   std::vector<int> ids(static_cast<size_t>(rows)), drew(static_cast<size_t>(rows));
   cudaEvent_t ev[cuda::kSampleLaunches + 1];
   for (cudaEvent_t& e : ev) LILY_CUDA(cudaEventCreate(&e));
-  const int launches = s.temperature != 0.f && s.top_k == 0 ? 5 : 2;  // sample.cu's two paths
   std::vector<double> call;
-  std::vector<std::vector<double>> per(static_cast<size_t>(launches));
+  std::vector<std::vector<double>> per;
   std::uniform_real_distribution<double> ud(0.0, 1.0);
   for (int it = 0; it < iters + 3; ++it) {
     for (TokenSampling& r : rs) r.u = ud(rng);
@@ -2296,9 +2297,10 @@ CudaBackend::SampleTiming CudaBackend::sample_timing(const TokenSampling& s, int
     m.sample_rows(rs, logits.as<float>(), ids.data(), drew.data());
     const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     cuda::spin_device(400000, m.stream);  // ~0.2 ms: the launches behind it are queued when it ends
-    m.sample_rows(rs, logits.as<float>(), ids.data(), drew.data(), ev);
+    const int launches = m.sample_rows(rs, logits.as<float>(), ids.data(), drew.data(), ev);
     if (it < 3) continue;  // warm-up
     call.push_back(us);
+    per.resize(static_cast<size_t>(launches));
     for (int k = 0; k < launches; ++k) {
       float ms = 0.f;
       LILY_CUDA(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
