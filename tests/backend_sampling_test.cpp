@@ -18,6 +18,7 @@
 #include "engine/generator.h"
 #include "engine/sampler.h"
 #include "engine_test_util.h"
+#include "text/json_constraint.h"
 
 namespace lily {
 namespace {
@@ -28,6 +29,11 @@ int reference_pick(const std::vector<float>& row, const TokenSampling& r, bool& 
   std::vector<float> w(row);
   for (float& x : w)
     if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+  if (!r.allow.empty()) {
+    if (r.allow.size() != allow_words(row.size())) throw std::runtime_error("allow mask of the wrong size");
+    for (size_t i = 0; i < row.size(); ++i)
+      if (!(r.allow[i / 32] >> (i % 32) & 1u)) w[i] = -std::numeric_limits<float>::infinity();
+  }
   for (const LogitAdjust& a : r.adjust) {
     float& x = w[static_cast<size_t>(a.id)];
     if (a.ops & LogitAdjust::kBias) x += a.bias;
@@ -251,11 +257,12 @@ class SamplingBackend : public Backend {
   int draft_calls = 0;
   int forward_sample(SequenceCache& c, int token, const TokenSampling& s, bool& drew) override {
     ++calls;
+    masked_calls += !s.allow.empty();
     std::vector<float> row(static_cast<size_t>(config().vocab_size));
     b_.forward(c, std::span<const int>(&token, 1), LogitsMode::LastOnly, row.data());
     return reference_pick(row, s, drew);
   }
-  int calls = 0;
+  int calls = 0, masked_calls = 0;
 
  private:
   Backend& b_;
@@ -308,6 +315,69 @@ TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
   const std::vector<int> greedy = generate(b, false, p);
   EXPECT_EQ(generate(b, true, p), greedy);
   EXPECT_EQ(b.calls, 19);
+}
+
+// Constrained decoding with the grammar's mask applied by the backend (an
+// allow mask with each request): the tokens of the host path, which masks
+// the row itself, for a JSON schema and for tool calls, greedy and sampled.
+// A model of random weights writes no JSON unless masked, so a mask lost on
+// the way shows as different tokens.
+TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
+  SamplingBackend b(test::fixture_backend("qwen3-chat-tiny"));
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  const std::optional<int> im_end = tok.token_to_id("<|im_end|>");
+  ASSERT_TRUE(im_end.has_value());
+  auto schema = text::JsonGrammar::from_schema(nlohmann::ordered_json::parse(R"({"type": "object",
+    "properties": {"ok": {"type": "boolean"}, "name": {"type": "string"}, "n": {"type": "number"},
+                   "list": {"type": "array", "items": {"enum": [1, 2, 30]}, "maxItems": 3}},
+    "required": ["ok", "name", "list"], "additionalProperties": false})"));
+  auto tools = text::JsonGrammar::tool_calls(nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object",
+      "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
+      "required": ["mode"], "additionalProperties": false}}}])"),
+                                             text::ToolCallSyntax::Json);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> d(0, 150000);
+  int masked = 0;
+  for (int variant = 0; variant < 6; ++variant) {
+    engine::GenerationParams p;
+    for (int i = 0; i < 12; ++i) p.prompt.push_back(d(rng));
+    p.max_tokens = 48;
+    p.stop_token_ids = {*im_end};
+    if (variant % 3 != 0) {
+      p.sampling.temperature = 1.f;
+      p.sampling.top_k = variant % 3 == 1 ? 40 : 0;  // 0: the whole vocabulary
+      p.sampling.top_p = 0.95f;
+      p.sampling.presence_penalty = 0.3f;
+      p.sampling.seed = static_cast<uint64_t>(variant);
+      p.sampling.has_seed = true;
+    } else {
+      p.sampling.temperature = 0.f;
+    }
+    if (variant < 3) {
+      p.json_grammar = schema;
+    } else {
+      const std::optional<int> call = tok.token_to_id("<tool_call>");
+      ASSERT_TRUE(call.has_value());
+      p.tool_grammar = tools;
+      p.sampling.logit_bias = {{*call, 30.f}};  // it opens calls wherever it writes freely
+    }
+    std::vector<int> ids[2];
+    b.masked_calls = 0;
+    for (int on = 0; on < 2; ++on) {
+      engine::Generator g(b, &tok, 256);
+      g.backend_sampling = on == 1;
+      g.generate(p, [&](engine::GenerationEvent&& e) {
+        if (e.token) ids[on].push_back(e.token->id);
+        return true;
+      });
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
+    ASSERT_GT(ids[0].size(), 4u) << "variant " << variant;
+    EXPECT_GT(b.masked_calls, 0) << "variant " << variant;
+    masked += b.masked_calls;
+  }
+  EXPECT_GT(masked, 30);
 }
 
 // Speculative runs whose rows the backend samples: the tokens of the host

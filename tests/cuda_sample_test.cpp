@@ -21,6 +21,7 @@
 #include "engine/sampler.h"
 #include "engine_test_util.h"
 #include "fixture_util.h"
+#include "text/json_constraint.h"
 
 namespace lily {
 namespace {
@@ -34,8 +35,10 @@ struct DevicePick {
 
 DevicePick device_pick(const std::vector<float>& logits, const TokenSampling& r) {
   const int V = static_cast<int>(logits.size());
-  DeviceBuffer dl, da, doff, dc(cuda::sample_workspace_bytes(V, r.temperature == 0.f ? 1 : r.top_k)), dout(16);
+  DeviceBuffer dl, da, doff, dmask, dc(cuda::sample_workspace_bytes(V, r.temperature == 0.f ? 1 : r.top_k)),
+      dout(16);
   cuda::upload(dl, logits.data(), logits.size());
+  if (!r.allow.empty()) cuda::upload(dmask, r.allow.data(), r.allow.size());
   const int off[2] = {0, static_cast<int>(r.adjust.size())};
   if (!r.adjust.empty()) {
     cuda::upload(da, r.adjust.data(), r.adjust.size());
@@ -46,6 +49,8 @@ DevicePick device_pick(const std::vector<float>& logits, const TokenSampling& r)
   a.V = V;
   a.adjust = r.adjust.empty() ? nullptr : da.as<LogitAdjust>();
   a.adjust_off = r.adjust.empty() ? nullptr : doff.as<int>();
+  a.allow = r.allow.empty() ? nullptr : dmask.as<uint32_t>();
+  a.allow_words = r.allow.size();
   a.rep_penalty = r.rep_penalty;
   a.kc = r.temperature == 0.f ? 1 : r.top_k;
   a.temperature = r.temperature;
@@ -85,6 +90,23 @@ std::vector<float> random_row(int V, std::mt19937& rng, bool specials) {
   return l;
 }
 
+// A grammar-like allow mask over V ids: kind 1 a few ids (often fewer than
+// top_k, some in the last block), kind 2 about half of them.
+std::vector<uint32_t> random_allow(int V, int kind, std::mt19937& rng) {
+  std::vector<uint32_t> bits(allow_words(static_cast<size_t>(V)), 0u);
+  auto set = [&](int id) { bits[static_cast<size_t>(id) / 32] |= 1u << (id % 32); };
+  std::uniform_int_distribution<int> at(0, V - 1);
+  if (kind == 1) {
+    const int n = 1 + static_cast<int>(rng() % 24);
+    for (int i = 0; i < n; ++i) set(at(rng));
+    set(V - 1 - static_cast<int>(rng() % std::min(V, 40)));
+  } else {
+    for (int id = 0; id < V; ++id)
+      if (rng() & 1) set(id);
+  }
+  return bits;
+}
+
 TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
   LILY_SKIP_WITHOUT_GPU();
   const Case cases[] = {
@@ -105,7 +127,7 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
       {20.f, 0, 0.9f, 0.f, 1.f, 0.f, 0.f, 0},     // nearly flat: tens of thousands cross
   };
   std::mt19937 rng(1234);
-  int compared = 0, drew = 0;
+  int compared = 0, drew = 0, masked = 0;
   for (int V : {248320, 151943, 3001, 2085, 2048}) {  // 2085: a last block with fewer ids than top_k
     for (const Case& c : cases) {
       for (int trial = 0; trial < 6; ++trial) {
@@ -135,15 +157,32 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
           if (trial % 3 == 2)  // values on a coarse grid: many exact ties across the buckets
             for (float& x : row)
               if (std::isfinite(x)) x = std::round(x * 2.f) / 2.f;
-          const int want = cpu.sample(row, history, 50);
+          // A grammar's mask on two rows of three: the host masks the
+          // row, the device gets the bits.
+          const int mask_kind = (trial + step) % 3;
+          std::vector<uint32_t> allow;
+          std::vector<float> host_row = row;
+          if (mask_kind != 0) {
+            allow = random_allow(V, mask_kind, rng);
+            for (int id = 0; id < V; ++id)
+              if (!(allow[static_cast<size_t>(id) / 32] >> (id % 32) & 1u))
+                host_row[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
+            bool finite = false;
+            for (float x : host_row) finite = finite || std::isfinite(x);
+            if (!finite) continue;  // the Sampler's error, tested below
+          }
+          const int want = cpu.sample(host_row, history, 50);
           std::optional<TokenSampling> r = dev.backend_request(history, 50, static_cast<size_t>(V));
           ASSERT_TRUE(r.has_value());
+          r->allow = allow;
           dev.backend_draw(*r);
           const DevicePick got = device_pick(row, *r);
           dev.backend_done(got.flags & 1);
           ASSERT_EQ(got.flags & 2, 0);
           EXPECT_EQ(got.id, want) << "V " << V << " T " << c.temperature << " k " << c.top_k << " top_p "
-                                  << c.top_p << " min_p " << c.min_p << " trial " << trial << " step " << step;
+                                  << c.top_p << " min_p " << c.min_p << " trial " << trial << " step " << step
+                                  << " mask " << mask_kind;
+          masked += mask_kind != 0;
           drew += got.flags & 1;
           ++compared;
           history.push_back(want);
@@ -152,6 +191,7 @@ TEST(CudaSample, PicksWhatTheCpuSamplerPicks) {
     }
   }
   EXPECT_GT(drew, compared / 2);
+  EXPECT_GT(masked, compared / 2);
 }
 
 TEST(CudaSample, RefusesARowWithNoFiniteLogit) {
@@ -165,6 +205,14 @@ TEST(CudaSample, RefusesARowWithNoFiniteLogit) {
   EXPECT_EQ(device_pick(row, r).flags, 2);
   r.temperature = 0.f;
   EXPECT_EQ(device_pick(row, r).flags, 2);
+  // Finite logits, none of them allowed; then one.
+  std::vector<float> flat(5000, 1.f);
+  r.allow.assign(allow_words(flat.size()), 0u);
+  EXPECT_EQ(device_pick(flat, r).flags, 2);
+  r.allow[3] = 1u << 5;
+  const DevicePick one = device_pick(flat, r);
+  EXPECT_EQ(one.flags, 0);
+  EXPECT_EQ(one.id, 3 * 32 + 5);
 }
 
 std::vector<int> generate(Backend& b, bool on_backend, const engine::SamplingParams& s, int n) {
@@ -209,6 +257,55 @@ TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
     const std::vector<int> host = generate(*b, false, s, 48), dev = generate(*b, true, s, 48);
     ASSERT_EQ(host.size(), 48u);
     EXPECT_EQ(dev, host) << "temperature " << s.temperature << " top_k " << s.top_k;
+  }
+}
+
+// Constrained decoding with the grammar's mask applied on the device: the
+// tokens of the host path (which masks the row itself) for a JSON schema,
+// greedy, top_k and the whole vocabulary. The model (random weights) writes
+// no JSON unless masked.
+TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
+  LILY_SKIP_WITHOUT_GPU();
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.sample_whole = true;
+  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3-chat-tiny")), o);
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  const std::optional<int> im_end = tok.token_to_id("<|im_end|>");
+  ASSERT_TRUE(im_end.has_value());
+  auto schema = text::JsonGrammar::from_schema(nlohmann::ordered_json::parse(R"({"type": "object",
+    "properties": {"ok": {"type": "boolean"}, "name": {"type": "string"}, "n": {"type": "number"},
+                   "list": {"type": "array", "items": {"enum": [1, 2, 30]}, "maxItems": 3}},
+    "required": ["ok", "name", "list"], "additionalProperties": false})"));
+  TokenSampling probe;
+  probe.allow.assign(allow_words(static_cast<size_t>(b->config().vocab_size)), ~0u);
+  ASSERT_TRUE(b->can_sample(probe));
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> d(0, 150000);
+  for (int variant = 0; variant < 3; ++variant) {
+    engine::GenerationParams p;
+    for (int i = 0; i < 12; ++i) p.prompt.push_back(d(rng));
+    p.max_tokens = 64;
+    p.stop_token_ids = {*im_end};
+    p.json_grammar = schema;
+    p.sampling.temperature = variant == 0 ? 0.f : 1.f;
+    p.sampling.top_k = variant == 1 ? 40 : 0;
+    p.sampling.top_p = 0.95f;
+    p.sampling.presence_penalty = 0.3f;
+    p.sampling.seed = static_cast<uint64_t>(variant);
+    p.sampling.has_seed = true;
+    std::vector<int> ids[2];
+    std::string text[2];
+    for (int on = 0; on < 2; ++on) {
+      engine::Generator g(*b, &tok, 512);
+      g.backend_sampling = on == 1;
+      g.generate(p, [&](engine::GenerationEvent&& e) {
+        if (e.token) ids[on].push_back(e.token->id);
+        text[on] += e.text;
+        return true;
+      });
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant << ": " << text[0] << " / " << text[1];
+    EXPECT_GT(ids[0].size(), 4u);
   }
 }
 

@@ -95,8 +95,9 @@ class Backend {
   // back. `drew` tells whether the draw s.u was used (sampling with a
   // finite best logit), as engine::Sampler would have drawn. can_sample
   // says whether this backend takes `s` at all, from its parameters alone
-  // (not its adjustments: the engine asks once a generation); the default
-  // takes nothing and forward_sample fails.
+  // (not its adjustments: the engine asks once a generation; with a
+  // grammar it asks with an allow mask, which a backend that does not apply
+  // masks refuses); the default takes nothing and forward_sample fails.
   virtual bool can_sample(const TokenSampling& s) const;
   virtual int forward_sample(SequenceCache& cache, int token, const TokenSampling& s, bool& drew);
   // forward_draft whose rows the backend samples itself: row i (the token

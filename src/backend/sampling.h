@@ -3,7 +3,9 @@
 // host, where engine::Sampler (engine/sampler.h) would first copy the whole
 // row (a vocabulary of 248,320 logits is ~1 MB a token). The pipeline is the
 // Sampler's, for the cases a backend takes:
-//   work = logits (NaN as -inf), then per listed id (ascending ids):
+//   work = logits (NaN as -inf; -inf where the allow mask, when given,
+//   has the id's bit clear: a grammar's mask, engine/generator.cpp), then
+//   per listed id (ascending ids):
 //     += bias, then (rep) work > 0 ? work / rep_penalty : work * rep_penalty,
 //     then -= sub   (the caller folds logit_bias, the repetition penalty and
 //                    frequency / presence penalties into these, computing sub
@@ -47,8 +49,15 @@ struct TokenSampling {
   float min_p = 0.f;
   float rep_penalty = 1.f;  // for the kRep entries
   std::vector<LogitAdjust> adjust;  // ascending ids, each at most once
-  double u = 0.0;                   // the draw (sampling only)
+  // Empty: every id may be chosen. Else (vocabulary + 31) / 32 words, bit
+  // (id % 32) of word id / 32 set where id may be chosen. A backend that
+  // does not apply it refuses a request that has one (can_sample).
+  std::vector<uint32_t> allow;
+  double u = 0.0;  // the draw (sampling only)
 };
+
+// The words of an allow mask over a vocabulary of `vocab` ids.
+constexpr size_t allow_words(size_t vocab) { return (vocab + 31) / 32; }
 
 // The longest top_k a backend's sampler must take (engine requests above it
 // stay on the host).

@@ -26,6 +26,11 @@
 // after it. Next to it the backend's own decode loop over as many steps (N -
 // 1) from the same position, timed as the default mode times it (cuda: the
 // device loop; cpu: forward per token, argmax fed back on the host).
+// --json-object constrains the output to a JSON object (the server's
+// response_format json_object: the grammar's token mask at every token) with
+// a tokenizer's vocabulary (the model's, or --tokenizer DIR), <|im_end|> /
+// <|endoftext|> as stop tokens: a run ends where the object does, so the
+// rate is over the tokens each repeat made (the same tokens both ways).
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -50,6 +55,8 @@
 #include "core/thread_pool.h"
 #include "engine/generator.h"
 #include "model/synthetic.h"
+#include "text/json_constraint.h"
+#include "text/tokenizer.h"
 
 namespace lily::cli {
 
@@ -880,10 +887,20 @@ std::vector<double> backend_decode_ms(Backend& b, const Setup& s, int ctx, int s
 
 // Generation as a client of the server sees it (the file's header).
 nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Setup& s, int tokens,
-                                      const engine::SamplingParams& sampling, int threads, const std::string& kv) {
+                                      const engine::SamplingParams& sampling, int threads, const std::string& kv,
+                                      const text::Tokenizer* constrain) {
   auto b = bench_backend(std::move(w), s, threads, kv);
   const int V = b->config().vocab_size;
   const int steps = tokens - 1;  // forwards between the first token and the last
+  std::vector<int> stop_ids;
+  if (constrain) {
+    if (constrain->vocab_size() > V)
+      fail("bench --json-object: the tokenizer's ", constrain->vocab_size(), " tokens exceed the model's vocabulary of ",
+           V);
+    for (const char* t : {"<|im_end|>", "<|endoftext|>"})
+      if (const std::optional<int> id = constrain->token_to_id(t)) stop_ids.push_back(*id);
+    if (stop_ids.empty()) fail("bench --json-object: the tokenizer has neither <|im_end|> nor <|endoftext|>");
+  }
   const std::string how =
       sampling.greedy() ? std::string("greedy")
                         : str_cat("temperature ", sampling.temperature, ", top-k ", sampling.top_k, ", top-p ",
@@ -902,18 +919,21 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
   j["generate_tokens"] = tokens;
   j["sampling"] = {{"temperature", sampling.temperature}, {"top_k", sampling.top_k}, {"top_p", sampling.top_p},
                    {"min_p", sampling.min_p}, {"seed", sampling.seed}};
+  j["constrained"] = constrain ? "json_object" : "none";
   j["warmup"] = s.warmup;
   j["repeats"] = s.repeats;
   // Where the backend takes the request (Backend::can_sample), the
   // generator runs it both ways, alternating repeats: the token chosen by
   // the backend (its default) and on the host (backend_sampling off).
   engine::Sampler probe(sampling);
-  const std::optional<TokenSampling> request = probe.backend_request({}, 0, static_cast<size_t>(V));
+  std::optional<TokenSampling> request = probe.backend_request({}, 0, static_cast<size_t>(V));
+  if (request && constrain) request->allow.assign(allow_words(static_cast<size_t>(V)), ~0u);
   const bool both = request && b->can_sample(*request);
   j["backend_picks"] = both;
-  std::printf("generation: %d token%s through the generator (%s; chosen %s) against the backend's decode loop; "
+  std::printf("generation: %s%d token%s through the generator (%s%s; chosen %s) against the backend's decode loop; "
               "backend %s; model: %s\n",
-              tokens, tokens == 1 ? "" : "s", how.c_str(),
+              constrain ? "up to " : "", tokens, tokens == 1 ? "" : "s", how.c_str(),
+              constrain ? ", a JSON object by the grammar's mask" : "",
               both ? "by the backend, and on the host for comparison" : "on the host", b->name().c_str(),
               s.model_desc.c_str());
   if (steps == 0) std::printf("(one token: only the prefill's, no decode to time)\n");
@@ -924,6 +944,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
   for (int ctx : s.ctxs) {
     const int P = std::max(ctx, 1);
     std::vector<double> gen, host;
+    std::vector<int> made;  // tokens of each generation (all of N unless constrained)
     int generated = 0, cached = 0;
     double first_ttft_ms = 0;
     {
@@ -933,9 +954,13 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
       gp.max_tokens = tokens;
       gp.reuse_prefix = true;
       gp.speculative_tokens = 0;
+      if (constrain) {
+        gp.json_grammar = text::JsonGrammar::any_object();
+        gp.stop_token_ids = stop_ids;
+      }
       // Each generator keeps only the state after the prompt (no parked live
       // sequence, no branch point): a repeat starts from it, no new prefill.
-      engine::Generator on_backend(*b, nullptr, P + tokens), on_host(*b, nullptr, P + tokens);
+      engine::Generator on_backend(*b, constrain, P + tokens), on_host(*b, constrain, P + tokens);
       on_backend.keep_min_tokens = on_host.keep_min_tokens = INT_MAX;
       on_host.backend_sampling = false;
       // One generation: ms per decode step (NaN without steps).
@@ -945,12 +970,14 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
           generated += e.token.has_value();
           return true;
         });
-        if (res.completion_tokens != tokens || generated != tokens)
+        const bool early = constrain && res.finish == engine::FinishReason::Stop && generated >= 2;
+        if (res.completion_tokens != generated || (generated != tokens && !early))
           fail("bench --generate: the generator stopped after ", generated, " of ", tokens, " tokens (",
                engine::finish_reason_name(res.finish), ")");
         if (r == 0) first_ttft_ms = res.prefill_seconds * 1e3;
         cached = res.cached_tokens;
-        return steps > 0 ? res.decode_seconds * 1e3 / steps : std::nan("");
+        made.push_back(generated);
+        return steps > 0 ? res.decode_seconds * 1e3 / (generated - 1) : std::nan("");
       };
       for (int r = 0; r < s.warmup + s.repeats; ++r) {
         const double h = once(on_host, r), g = both ? once(on_backend, r) : h;
@@ -969,6 +996,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
     rows.push_back({{"ctx", ctx},
                     {"prompt_tokens", P},
                     {"generated_tokens", generated},
+                    {"generated_tokens_each", made},
                     {"cached_tokens", cached},
                     {"first_ttft_ms", first_ttft_ms},
                     {"decode_tok_s", 1000.0 / gen_ms},
@@ -992,8 +1020,8 @@ int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
-          "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p"},
-         {"--profile", "--trace", "--handover", "--sampling"});
+          "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer"},
+         {"--profile", "--trace", "--handover", "--sampling", "--json-object"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.cpu_act = a.str("--cpu-act", "auto");
@@ -1011,7 +1039,7 @@ int cmd_bench(int argc, char** argv) {
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
   if (a.has("--sampling") && s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
   // --generate: checked before the model loads.
-  for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p"})
+  for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p", "--json-object", "--tokenizer"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
   const int generate = static_cast<int>(a.integer("--generate", 0, 1, 100000));
   engine::SamplingParams sampling;
@@ -1040,8 +1068,14 @@ int cmd_bench(int argc, char** argv) {
     fail("bench --sampling: lily was built without CUDA");
 #endif
   } else if (a.has("--generate")) {
+    std::optional<text::Tokenizer> tok;
+    if (a.has("--json-object")) {
+      if (!a.has("--tokenizer") && !a.has("--model"))
+        fail("bench --json-object: a synthetic model needs --tokenizer DIR (the grammar masks by token bytes)");
+      tok.emplace(text::Tokenizer::from_dir(a.str("--tokenizer", a.str("--model", ""))));
+    }
     j = bench_generate(std::move(w), s, generate, sampling, static_cast<int>(a.integer("--threads", 0, 0, 1024)),
-                       a.str("--kv"));
+                       a.str("--kv"), tok ? &*tok : nullptr);
   } else if (a.has("--draft")) {
     std::vector<int> runs = parse_int_list(a.str("--draft"), "--draft");
     for (int T : runs)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <new>
 
@@ -20,6 +21,34 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
+}
+
+// A grammar's token mask (one 0 / 1 byte an id) as a backend's allow mask
+// (backend/sampling.h), the stop tokens added once the value is complete or
+// when nothing else is left: what the host path leaves finite in the row.
+void pack_allowed(const std::vector<uint8_t>& allowed, bool can_end, const std::vector<int>& stop_ids,
+                  std::vector<uint32_t>& bits) {
+  const size_t V = allowed.size();
+  bits.assign(allow_words(V), 0u);
+  bool any = false;
+  size_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    uint64_t x;
+    std::memcpy(&x, allowed.data() + i, 8);
+    // Byte k (0 or 1) to bit k: the products land on distinct bits, those of
+    // b_k * 2^(8k + 56 - 7k) at bit 56 + k.
+    const uint32_t b = static_cast<uint32_t>((x * 0x0102040810204080ull) >> 56);
+    bits[i / 32] |= b << (i % 32);
+    any = any || b != 0;
+  }
+  for (; i < V; ++i)
+    if (allowed[i]) {
+      bits[i / 32] |= 1u << (i % 32);
+      any = true;
+    }
+  if (can_end || !any)
+    for (int s : stop_ids)
+      if (s >= 0 && static_cast<size_t>(s) < V) bits[static_cast<size_t>(s) / 32] |= 1u << (s % 32);
 }
 
 }  // namespace
@@ -429,6 +458,27 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   }();
   // A draft run's rows too, where no grammar may mask any of them.
   Sampler* const run_picker = backend_picks && !grammar ? &sampler : nullptr;
+  // Constrained tokens too where the backend applies the grammar's mask:
+  // the mask goes with the request (a bit an id) instead of the row
+  // coming back to be masked here.
+  const bool backend_masks = [&] {
+    if (!backend_picks || !grammar) return false;
+    std::optional<TokenSampling> probe = sampler.backend_params(V);
+    probe->allow.assign(allow_words(V), ~0u);
+    return backend_.can_sample(*probe);
+  }();
+  // The backend's request for the token after the one about to be fed, if
+  // the backend takes it (the grammar's mask for it when one is active).
+  auto backend_request = [&]() -> std::optional<TokenSampling> {
+    if (!backend_picks || (gate == Gate::Active && !backend_masks)) return std::nullopt;
+    std::optional<TokenSampling> r = sampler.backend_request(history, prompt.size(), V);
+    if (r && gate == Gate::Active) {
+      matcher->allowed_tokens(*trie_, allowed);
+      pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, r->allow);
+    }
+    if (r && !backend_.can_sample(*r)) r.reset();
+    return r;
+  };
   Clock::time_point t_first{};
   for (;;) {
     std::span<const float> pick_from = logits;
@@ -522,8 +572,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     if (spec.start(id, history, res.completion_tokens, buf, run_picker, prompt.size())) {
       if (spec.picked()) next_id = spec.row_id(0);
       else logits = std::span<const float>(buf).first(V);
-    } else if (backend_picks && gate != Gate::Active &&
-               (request = sampler.backend_request(history, prompt.size(), V)) && backend_.can_sample(*request)) {
+    } else if ((request = backend_request())) {
       next_id = spec.sampled_step(id, *request, sampler);
     } else {
       buf = spec.plain_step(id);

@@ -1572,9 +1572,15 @@ struct CudaBackend::Impl {
     const int R = static_cast<int>(s.size()), V = c.vocab_size;
     const TokenSampling& s0 = s.front();
     const int kc = s0.temperature == 0.f ? 1 : s0.top_k;
-    // Pinned: [R + 1 offsets | the rows' adjustments], then 2 R results.
+    // Pinned: [R + 1 offsets | the rows' adjustments | (16-byte aligned,
+    // when a row has one) R allow masks], then 2 R results.
+    const size_t W = allow_words(static_cast<size_t>(V));
     size_t na = 0;
+    bool masked = false;
     for (const TokenSampling& r : s) {
+      if (!r.allow.empty() && r.allow.size() != W)
+        fail("internal: an allow mask of ", r.allow.size(), " words for a vocabulary of ", V);
+      masked = masked || !r.allow.empty();
       if (r.temperature != s0.temperature || r.top_k != s0.top_k || r.top_p != s0.top_p || r.min_p != s0.min_p ||
           r.rep_penalty != s0.rep_penalty)
         fail("internal: the rows of one sampling launch differ in their parameters");
@@ -1584,7 +1590,9 @@ struct CudaBackend::Impl {
       na += r.adjust.size();
     }
     constexpr size_t kOffBytes = (cuda::kMaxSampleRows + 1) * sizeof(int);
-    const size_t up = kOffBytes + na * sizeof(LogitAdjust), res_at = (up + 15) / 16 * 16;
+    const size_t mask_at = (kOffBytes + na * sizeof(LogitAdjust) + 15) / 16 * 16;
+    const size_t up = masked ? mask_at + R * W * sizeof(uint32_t) : kOffBytes + na * sizeof(LogitAdjust);
+    const size_t res_at = (up + 15) / 16 * 16;
     s_pinned.ensure(res_at + 2 * sizeof(int) * cuda::kMaxSampleRows);
     int* off = s_pinned.as<int>();
     auto* adj = reinterpret_cast<LogitAdjust*>(s_pinned.as<char>() + kOffBytes);
@@ -1593,7 +1601,14 @@ struct CudaBackend::Impl {
       std::memcpy(adj + off[r], s[r].adjust.data(), s[r].adjust.size() * sizeof(LogitAdjust));
       off[r + 1] = off[r] + static_cast<int>(s[r].adjust.size());
     }
-    if (na > 0) {  // without adjustments nothing goes up (the kernels take null offsets as none)
+    if (masked) {  // a row without a mask allows every id
+      auto* bits = reinterpret_cast<uint32_t*>(s_pinned.as<char>() + mask_at);
+      for (int r = 0; r < R; ++r) {
+        if (s[r].allow.empty()) std::fill_n(bits + r * W, W, ~0u);
+        else std::memcpy(bits + r * W, s[r].allow.data(), W * sizeof(uint32_t));
+      }
+    }
+    if (na > 0 || masked) {  // else nothing goes up (the kernels take null offsets and masks as none)
       if (s_adjust.bytes() < up) s_adjust.alloc(up);
       LILY_CUDA(cudaMemcpyAsync(s_adjust.get(), s_pinned.as<void>(), up, cudaMemcpyHostToDevice, stream));
     }
@@ -1607,6 +1622,8 @@ struct CudaBackend::Impl {
     a.row_stride = static_cast<size_t>(V);
     a.adjust = na > 0 ? reinterpret_cast<const LogitAdjust*>(s_adjust.as<char>() + kOffBytes) : nullptr;
     a.adjust_off = na > 0 ? s_adjust.as<int>() : nullptr;
+    a.allow = masked ? reinterpret_cast<const uint32_t*>(s_adjust.as<char>() + mask_at) : nullptr;
+    a.allow_words = W;
     a.rep_penalty = s0.rep_penalty;
     a.kc = kc;
     a.temperature = s0.temperature;
@@ -1697,6 +1714,7 @@ void CudaBackend::forward(SequenceCache& base, std::span<const int> tokens, Logi
 
 bool CudaBackend::can_sample(const TokenSampling& s) const {
   const int V = impl_->c.vocab_size;
+  if (!s.allow.empty() && s.allow.size() != allow_words(static_cast<size_t>(V))) return false;
   if (s.temperature == 0.f) return true;
   // top_k 0: the whole vocabulary (sample.cu's second path).
   if (s.top_k == 0) return s.temperature > 0.f && impl_->opt.sample_whole;
@@ -1718,7 +1736,7 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   LILY_CUDA(cudaMemsetAsync(&ctrl->use_argmax, 0, sizeof(int), m.stream));
   LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
   m.run_step(cache);
-  if (s.temperature == 0.f && s.adjust.empty()) {
+  if (s.temperature == 0.f && s.adjust.empty() && s.allow.empty()) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
     // same order: NaN never taken, lower id on ties), 8 bytes back. Its
     // order tells -0 from +0, the Sampler's does not, and a row with no

@@ -436,6 +436,8 @@ struct SampleArgs {
   size_t row_stride = 0;
   const LogitAdjust* adjust = nullptr;  // device copy, ascending ids within a row
   const int* adjust_off = nullptr;      // row r's are [adjust_off[r], adjust_off[r + 1]); null: none
+  const uint32_t* allow = nullptr;      // row r's allow mask at r * allow_words (sampling.h); null: none
+  size_t allow_words = 0;
   float rep_penalty = 1.f;
   int kc = 1;  // top_k, or 1 when greedy; 0: sampling over the whole vocabulary
   float temperature = 0.f, top_p = 1.f, min_p = 0.f;

@@ -63,19 +63,21 @@ __device__ __forceinline__ void row_adjust(const SampleArgs& a, int row, int* lo
   *hi = a.adjust_off ? a.adjust_off[row + 1] : 0;
 }
 
-// The block's kPerBlock logits of `row` from `base` into vals: NaN as
-// -inf, the row's listed adjustments applied in the Sampler's order, -inf
-// past the row. Ends with a barrier.
+// The block's kPerBlock logits of `row` from `base` into vals: NaN and the
+// ids the allow mask leaves out as -inf, the row's listed adjustments
+// applied in the Sampler's order (which keep -inf), -inf past the row.
+// Ends with a barrier.
 template <int kPerBlock>
 __device__ void load_adjusted(const SampleArgs& a, int row, int base, float* vals, int* first_adjust) {
   const int tid = threadIdx.x;
   const float* logits = a.logits + size_t(row) * a.row_stride;
+  const uint32_t* allow = a.allow ? a.allow + size_t(row) * a.allow_words : nullptr;
   int adj_lo, adj_hi;
   row_adjust(a, row, &adj_lo, &adj_hi);
   for (int i = tid; i < kPerBlock; i += blockDim.x) {
     const int id = base + i;
     float v = -INFINITY;
-    if (id < a.V) {
+    if (id < a.V && (!allow || (allow[id >> 5] >> (id & 31) & 1u))) {
       v = logits[id];
       if (v != v) v = -INFINITY;
     }
@@ -783,6 +785,7 @@ int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
   if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_sample: ", a.rows, " rows (1..", kMaxSampleRows, ")");
   if (a.rows > 1 && a.row_stride < size_t(a.V)) fail("launch_sample: rows closer than V logits apart");
   if (a.adjust_off && !a.adjust) fail("launch_sample: adjustment offsets without adjustments");
+  if (a.allow && a.allow_words < (size_t(a.V) + 31) / 32) fail("launch_sample: an allow mask shorter than the row");
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
   int made = 0;
   auto mark = [&] {
