@@ -250,17 +250,21 @@ class SamplingBackend : public Backend {
     b_.forward_draft(c, t, rows.data());
     for (size_t i = 0; i < t.size(); ++i) {
       bool d = false;
-      ids[i] = reference_pick(std::vector<float>(rows.begin() + i * V, rows.begin() + (i + 1) * V), s[i], d);
+      TokenSampling r = s[i];
+      if (r.allow_fill && r.allow.empty()) r.allow_fill(r.allow);
+      ids[i] = reference_pick(std::vector<float>(rows.begin() + i * V, rows.begin() + (i + 1) * V), r, d);
       drew[i] = d ? 1 : 0;
     }
   }
   int draft_calls = 0;
   int forward_sample(SequenceCache& c, int token, const TokenSampling& s, bool& drew) override {
     ++calls;
-    masked_calls += !s.allow.empty();
     std::vector<float> row(static_cast<size_t>(config().vocab_size));
     b_.forward(c, std::span<const int>(&token, 1), LogitsMode::LastOnly, row.data());
-    return reference_pick(row, s, drew);
+    TokenSampling r = s;  // the mask filled after the step, as a backend that overlaps them would
+    if (r.allow_fill && r.allow.empty()) r.allow_fill(r.allow);
+    masked_calls += !r.allow.empty();
+    return reference_pick(row, r, drew);
   }
   int calls = 0, masked_calls = 0;
 

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace lily {
@@ -53,6 +54,10 @@ struct TokenSampling {
   // (id % 32) of word id / 32 set where id may be chosen. A backend that
   // does not apply it refuses a request that has one (can_sample).
   std::vector<uint32_t> allow;
+  // With allow empty: when set, a backend that takes masks calls it to fill
+  // allow once the step is queued, before the mask is needed, so that the
+  // host computes a grammar's mask while the device runs the step.
+  std::function<void(std::vector<uint32_t>& allow)> allow_fill;
   double u = 0.0;  // the draw (sampling only)
 };
 

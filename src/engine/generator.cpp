@@ -472,11 +472,12 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   auto backend_request = [&]() -> std::optional<TokenSampling> {
     if (!backend_picks || (gate == Gate::Active && !backend_masks)) return std::nullopt;
     std::optional<TokenSampling> r = sampler.backend_request(history, prompt.size(), V);
-    if (r && gate == Gate::Active) {
-      matcher->allowed_tokens(*trie_, allowed);
-      pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, r->allow);
-    }
     if (r && !backend_.can_sample(*r)) r.reset();
+    if (r && gate == Gate::Active)  // filled while the device runs the step (the matcher has the token)
+      r->allow_fill = [&](std::vector<uint32_t>& bits) {
+        matcher->allowed_tokens(*trie_, allowed);
+        pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, bits);
+      };
     return r;
   };
   Clock::time_point t_first{};

@@ -168,6 +168,14 @@ struct Step {
   std::function<void(cudaStream_t, bool)> run;
 };
 
+// s with its allow mask filled by s.allow_fill (sampling.h), in out.
+const TokenSampling& with_allow(const TokenSampling& s, TokenSampling& out) {
+  out = s;
+  out.allow_fill = nullptr;
+  s.allow_fill(out.allow);
+  return out;
+}
+
 }  // namespace
 
 class CudaCache final : public SequenceCache {
@@ -1736,7 +1744,10 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   LILY_CUDA(cudaMemsetAsync(&ctrl->use_argmax, 0, sizeof(int), m.stream));
   LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
   m.run_step(cache);
-  if (s.temperature == 0.f && s.adjust.empty() && s.allow.empty()) {
+  // The mask the caller computes while the step runs.
+  TokenSampling filled;
+  const TokenSampling& r = s.allow_fill && s.allow.empty() ? with_allow(s, filled) : s;
+  if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty()) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
     // same order: NaN never taken, lower id on ties), 8 bytes back. Its
     // order tells -0 from +0, the Sampler's does not, and a row with no
@@ -1754,7 +1765,7 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
     }
   }
   int id = 0, d = 0;
-  m.sample_rows(std::span<const TokenSampling>(&s, 1), m.logits.as<float>(), &id, &d);
+  m.sample_rows(std::span<const TokenSampling>(&r, 1), m.logits.as<float>(), &id, &d);
   cache.advance(1);
   drew = d != 0;
   return id;
@@ -1785,7 +1796,15 @@ void CudaBackend::forward_draft_sample(SequenceCache& base, std::span<const int>
     return;
   }
   m.draft_pass(cache, tokens, nullptr);  // the rows stay in pLogits
-  m.sample_rows(s, m.pLogits.as<float>(), ids, drew);
+  std::vector<TokenSampling> filled;
+  for (size_t i = 0; i < s.size() && filled.empty(); ++i)
+    if (s[i].allow_fill && s[i].allow.empty()) {
+      filled.resize(s.size());
+      for (size_t j = 0; j < s.size(); ++j)
+        if (s[j].allow_fill && s[j].allow.empty()) with_allow(s[j], filled[j]);
+        else filled[j] = s[j];
+    }
+  m.sample_rows(filled.empty() ? s : std::span<const TokenSampling>(filled), m.pLogits.as<float>(), ids, drew);
   cache.advance(T);
   draft_begin(cache, T);
   cache.draft.active = true;
