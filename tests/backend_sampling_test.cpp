@@ -343,11 +343,19 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> d(0, 150000);
   int masked = 0;
-  for (int variant = 0; variant < 6; ++variant) {
+  for (int variant = 0; variant < 8; ++variant) {
     engine::GenerationParams p;
     for (int i = 0; i < 12; ++i) p.prompt.push_back(d(rng));
     p.max_tokens = 48;
     p.stop_token_ids = {*im_end};
+    if (variant >= 6) {  // any object (json_object), which may end at once
+      p.json_grammar = text::JsonGrammar::any_object();
+      p.stop_token_ids.push_back(*tok.token_to_id("<|endoftext|>"));
+      p.sampling.temperature = variant == 6 ? 0.f : 0.7f;
+      p.sampling.top_k = 20;
+      p.sampling.seed = 1;
+      p.sampling.has_seed = true;
+    } else
     if (variant % 3 != 0) {
       p.sampling.temperature = 1.f;
       p.sampling.top_k = variant % 3 == 1 ? 40 : 0;  // 0: the whole vocabulary
@@ -358,7 +366,8 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
     } else {
       p.sampling.temperature = 0.f;
     }
-    if (variant < 3) {
+    if (variant >= 6) {
+    } else if (variant < 3) {
       p.json_grammar = schema;
     } else {
       const std::optional<int> call = tok.token_to_id("<tool_call>");
@@ -382,6 +391,38 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
     masked += b.masked_calls;
   }
   EXPECT_GT(masked, 30);
+  // A model whose vocabulary is the tokenizer's first 1,024 tokens (bytes
+  // and the first merges; tests/cuda_sample_test.cpp runs the same on the
+  // GPU), the byte 0xFF (in no UTF-8 text) as its stop token.
+  SamplingBackend small(test::fixture_backend("qwen3_5_moe"));
+  std::optional<int> stop;
+  for (int id = 0; id < small.config().vocab_size && !stop; ++id)
+    if (tok.token_bytes(id) == "\xff") stop = id;
+  ASSERT_TRUE(stop.has_value());
+  for (float temperature : {0.f, 1.f}) {
+    engine::GenerationParams p;
+    for (int i = 0; i < 12; ++i) p.prompt.push_back(static_cast<int>(rng() % 1024));
+    p.max_tokens = 64;
+    p.stop_token_ids = {*stop};
+    p.json_grammar = schema;
+    p.sampling.temperature = temperature;
+    p.sampling.top_k = 40;
+    p.sampling.seed = 3;
+    p.sampling.has_seed = true;
+    std::vector<int> ids[2];
+    small.masked_calls = 0;
+    for (int on = 0; on < 2; ++on) {
+      engine::Generator g(small, &tok, 256);
+      g.backend_sampling = on == 1;
+      g.generate(p, [&](engine::GenerationEvent&& e) {
+        if (e.token) ids[on].push_back(e.token->id);
+        return true;
+      });
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "temperature " << temperature;
+    EXPECT_GT(ids[0].size(), 8u);
+    EXPECT_GT(small.masked_calls, 0);
+  }
 }
 
 // Speculative runs whose rows the backend samples: the tokens of the host
