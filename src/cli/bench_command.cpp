@@ -959,14 +959,17 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
         gp.json_grammar = text::JsonGrammar::any_object();
         gp.stop_token_ids = stop_ids;
       }
-      // Each generator keeps only the state after the prompt (no parked live
-      // sequence, no branch point): a repeat starts from it, no new prefill.
-      engine::Generator on_backend(*b, constrain, P + tokens), on_host(*b, constrain, P + tokens);
-      on_backend.keep_min_tokens = on_host.keep_min_tokens = INT_MAX;
-      on_host.backend_sampling = false;
+      // The generator keeps only the state after the prompt (no parked live
+      // sequence, no branch point): every repeat, on the host or not, starts
+      // from it, no new prefill, the same first token (the prefill's split-K
+      // sums are not bit-reproducible from one prefill to the next, and a
+      // random model's logits are close enough for that to change tokens).
+      engine::Generator g(*b, constrain, P + tokens);
+      g.keep_min_tokens = INT_MAX;
       // One generation: ms per decode step (NaN without steps).
       std::vector<int> ids;  // this generation's tokens
-      auto once = [&](engine::Generator& g, int r) {
+      auto once = [&](bool on_backend, int r) {
+        g.backend_sampling = on_backend;
         generated = 0;
         ids.clear();
         const auto res = g.generate(gp, [&](engine::GenerationEvent&& e) {
@@ -984,9 +987,9 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
         return steps > 0 ? res.decode_seconds * 1e3 / (generated - 1) : std::nan("");
       };
       for (int r = 0; r < s.warmup + s.repeats; ++r) {
-        const double h = once(on_host, r);
+        const double h = once(false, r);
         const std::vector<int> host_ids = ids;
-        const double g = both ? once(on_backend, r) : h;
+        const double d = both ? once(true, r) : h;
         // The same tokens both ways (sampling.h: up to last-bit differences
         // of the sums, which a seeded bench run does not meet in practice).
         if (both && r == 0 && ids != host_ids) {
@@ -999,7 +1002,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
         }
         if (r < s.warmup) continue;
         host.push_back(h);
-        gen.push_back(g);
+        gen.push_back(d);
       }
     }
     const std::vector<double> loop = steps > 0 ? backend_decode_ms(*b, s, P, steps, rng) : std::vector<double>{};
