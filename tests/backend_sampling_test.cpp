@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -321,73 +322,78 @@ TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
   EXPECT_EQ(b.calls, 19);
 }
 
+// The tokens of a generation on the host path ([0]) and with the backend
+// choosing ([1]).
+std::array<std::vector<int>, 2> both_ways(SamplingBackend& b, const text::Tokenizer& tok,
+                                          const engine::GenerationParams& p) {
+  std::array<std::vector<int>, 2> ids;
+  for (int on = 0; on < 2; ++on) {
+    engine::Generator g(b, &tok, 256);
+    g.backend_sampling = on == 1;
+    g.generate(p, [&](engine::GenerationEvent&& e) {
+      if (e.token) ids[static_cast<size_t>(on)].push_back(e.token->id);
+      return true;
+    });
+  }
+  return ids;
+}
+
 // Constrained decoding with the grammar's mask applied by the backend (an
-// allow mask with each request): the tokens of the host path, which masks
-// the row itself, for a JSON schema and for tool calls, greedy and sampled.
-// A model of random weights writes no JSON unless masked, so a mask lost on
-// the way shows as different tokens.
+// allow mask filled after the step is queued): the tokens of the host path,
+// which masks the row itself, for a JSON schema, tool calls in both
+// syntaxes and json_object, greedy and sampled. A model of random weights
+// writes no JSON unless masked, so a mask lost on the way shows as
+// different tokens.
 TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
   SamplingBackend b(test::fixture_backend("qwen3-chat-tiny"));
   const text::Tokenizer& tok = test::fixture_tokenizer();
-  const std::optional<int> im_end = tok.token_to_id("<|im_end|>");
-  ASSERT_TRUE(im_end.has_value());
+  const std::optional<int> im_end = tok.token_to_id("<|im_end|>"), eot = tok.token_to_id("<|endoftext|>"),
+                           call = tok.token_to_id("<tool_call>");
+  ASSERT_TRUE(im_end && eot && call);
   auto schema = text::JsonGrammar::from_schema(nlohmann::ordered_json::parse(R"({"type": "object",
     "properties": {"ok": {"type": "boolean"}, "name": {"type": "string"}, "n": {"type": "number"},
                    "list": {"type": "array", "items": {"enum": [1, 2, 30]}, "maxItems": 3}},
     "required": ["ok", "name", "list"], "additionalProperties": false})"));
-  auto tools = text::JsonGrammar::tool_calls(nlohmann::ordered_json::parse(R"([
+  const auto tool_list = nlohmann::ordered_json::parse(R"([
     {"type": "function", "function": {"name": "set_mode", "parameters": {"type": "object",
       "properties": {"mode": {"type": "string", "enum": ["fast", "slow"]}, "level": {"type": "integer"}},
-      "required": ["mode"], "additionalProperties": false}}}])"),
-                                             text::ToolCallSyntax::Json);
+      "required": ["mode"], "additionalProperties": false}}}])");
+  auto tools = text::JsonGrammar::tool_calls(tool_list, text::ToolCallSyntax::Json);
+  auto tools_xml = text::JsonGrammar::tool_calls(tool_list, text::ToolCallSyntax::Xml);
+  auto object = text::JsonGrammar::any_object();
+  struct Variant {
+    std::shared_ptr<const text::JsonGrammar> json, tools;
+    float temperature;
+    int top_k;  // 0: the whole vocabulary
+  };
+  const Variant variants[] = {
+      {schema, nullptr, 0.f, 0},    {schema, nullptr, 1.f, 40},    {schema, nullptr, 1.f, 0},
+      {nullptr, tools, 0.f, 0},     {nullptr, tools, 1.f, 40},     {nullptr, tools, 1.f, 0},
+      {nullptr, tools_xml, 1.f, 40}, {object, nullptr, 0.f, 0},    {object, nullptr, 0.7f, 20},
+  };
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> d(0, 150000);
   int masked = 0;
-  for (int variant = 0; variant < 8; ++variant) {
+  for (size_t i = 0; i < std::size(variants); ++i) {
+    const Variant& v = variants[i];
     engine::GenerationParams p;
-    for (int i = 0; i < 12; ++i) p.prompt.push_back(d(rng));
+    for (int k = 0; k < 12; ++k) p.prompt.push_back(d(rng));
     p.max_tokens = 48;
-    p.stop_token_ids = {*im_end};
-    if (variant >= 6) {  // any object (json_object), which may end at once
-      p.json_grammar = text::JsonGrammar::any_object();
-      p.stop_token_ids.push_back(*tok.token_to_id("<|endoftext|>"));
-      p.sampling.temperature = variant == 6 ? 0.f : 0.7f;
-      p.sampling.top_k = 20;
-      p.sampling.seed = 1;
-      p.sampling.has_seed = true;
-    } else
-    if (variant % 3 != 0) {
-      p.sampling.temperature = 1.f;
-      p.sampling.top_k = variant % 3 == 1 ? 40 : 0;  // 0: the whole vocabulary
-      p.sampling.top_p = 0.95f;
-      p.sampling.presence_penalty = 0.3f;
-      p.sampling.seed = static_cast<uint64_t>(variant);
-      p.sampling.has_seed = true;
-    } else {
-      p.sampling.temperature = 0.f;
-    }
-    if (variant >= 6) {
-    } else if (variant < 3) {
-      p.json_grammar = schema;
-    } else {
-      const std::optional<int> call = tok.token_to_id("<tool_call>");
-      ASSERT_TRUE(call.has_value());
-      p.tool_grammar = tools;
-      p.sampling.logit_bias = {{*call, 30.f}};  // it opens calls wherever it writes freely
-    }
-    std::vector<int> ids[2];
+    p.stop_token_ids = {*im_end, *eot};
+    p.json_grammar = v.json;
+    p.tool_grammar = v.tools;
+    if (v.tools) p.sampling.logit_bias = {{*call, 30.f}};  // it opens calls wherever it writes freely
+    p.sampling.temperature = v.temperature;
+    p.sampling.top_k = v.top_k;
+    p.sampling.top_p = 0.95f;
+    p.sampling.presence_penalty = 0.3f;
+    p.sampling.seed = i;
+    p.sampling.has_seed = true;
     b.masked_calls = 0;
-    for (int on = 0; on < 2; ++on) {
-      engine::Generator g(b, &tok, 256);
-      g.backend_sampling = on == 1;
-      g.generate(p, [&](engine::GenerationEvent&& e) {
-        if (e.token) ids[on].push_back(e.token->id);
-        return true;
-      });
-    }
-    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
-    ASSERT_GT(ids[0].size(), 4u) << "variant " << variant;
-    EXPECT_GT(b.masked_calls, 0) << "variant " << variant;
+    const auto ids = both_ways(b, tok, p);
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << i;
+    EXPECT_GE(ids[0].size(), 2u) << "variant " << i;  // an object may close at once
+    EXPECT_GT(b.masked_calls, 0) << "variant " << i;
     masked += b.masked_calls;
   }
   EXPECT_GT(masked, 30);
@@ -401,7 +407,7 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
   ASSERT_TRUE(stop.has_value());
   for (float temperature : {0.f, 1.f}) {
     engine::GenerationParams p;
-    for (int i = 0; i < 12; ++i) p.prompt.push_back(static_cast<int>(rng() % 1024));
+    for (int k = 0; k < 12; ++k) p.prompt.push_back(static_cast<int>(rng() % 1024));
     p.max_tokens = 64;
     p.stop_token_ids = {*stop};
     p.json_grammar = schema;
@@ -409,20 +415,69 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
     p.sampling.top_k = 40;
     p.sampling.seed = 3;
     p.sampling.has_seed = true;
-    std::vector<int> ids[2];
     small.masked_calls = 0;
-    for (int on = 0; on < 2; ++on) {
-      engine::Generator g(small, &tok, 256);
-      g.backend_sampling = on == 1;
-      g.generate(p, [&](engine::GenerationEvent&& e) {
-        if (e.token) ids[on].push_back(e.token->id);
-        return true;
-      });
-    }
+    const auto ids = both_ways(small, tok, p);
     EXPECT_EQ(ids[1], ids[0]) << "temperature " << temperature;
     EXPECT_GT(ids[0].size(), 8u);
     EXPECT_GT(small.masked_calls, 0);
   }
+}
+
+// Speculative runs under a grammar whose rows the backend samples with each
+// row's mask (the matcher's after the drafts before it): the tokens of the
+// host path, drafts taken and refused. The prompt holds a JSON text three
+// times and its tokens are made likelier, so the output copies it and
+// prompt lookup finds drafts.
+TEST(BackendSampling, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
+  SamplingBackend b(test::fixture_backend("qwen3-chat-tiny"));
+  ASSERT_GT(b.max_draft_run(), 1);
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  const std::vector<int> text = tok.encode(R"({"name": "abc", "ok": true, "list": [1, 2, 30], "n": 12.5})");
+  const int im_end = *tok.token_to_id("<|im_end|>");
+  int drafted = 0, accepted = 0, runs_on_backend = 0;
+  for (int variant = 0; variant < 4; ++variant) {
+    engine::GenerationParams p;
+    for (int r = 0; r < 3; ++r) {
+      p.prompt.insert(p.prompt.end(), text.begin(), text.end());
+      p.prompt.push_back(198);  // "\n"
+    }
+    for (int id : text) {
+      bool seen = false;
+      for (const auto& [i, v] : p.sampling.logit_bias) seen = seen || i == id;
+      if (!seen) p.sampling.logit_bias.push_back({id, 12.f});
+    }
+    p.max_tokens = 60;
+    p.stop_token_ids = {im_end};
+    p.json_grammar = variant < 2 ? text::JsonGrammar::any_object()
+                                 : text::JsonGrammar::from_schema(nlohmann::ordered_json::parse(
+                                       R"({"type": "object", "properties": {"name": {"type": "string"},
+                                           "ok": {"type": "boolean"}}, "required": ["name"]})"));
+    p.sampling.temperature = variant % 2 == 0 ? 0.f : 0.8f;
+    p.sampling.top_k = 40;
+    p.sampling.seed = static_cast<uint64_t>(variant + 1);
+    p.sampling.has_seed = true;
+    std::vector<int> ids[2];
+    engine::GenerationResult res[2];
+    b.draft_calls = 0;
+    for (int on = 0; on < 2; ++on) {
+      engine::Generator g(b, &tok, 512);
+      g.backend_sampling = on == 1;
+      g.speculative_tokens = 6;
+      g.speculative_adaptive = false;
+      res[on] = g.generate(p, [&](engine::GenerationEvent&& e) {
+        if (e.token) ids[on].push_back(e.token->id);
+        return true;
+      });
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
+    EXPECT_EQ(res[1].accepted_tokens, res[0].accepted_tokens) << "variant " << variant;
+    drafted += res[1].draft_tokens;
+    accepted += res[1].accepted_tokens;
+    runs_on_backend += b.draft_calls;
+  }
+  EXPECT_GT(runs_on_backend, 0);
+  EXPECT_GT(accepted, 0) << "no draft was ever taken: the test exercises nothing";
+  EXPECT_LT(accepted, drafted) << "no draft was ever refused";
 }
 
 // Speculative runs whose rows the backend samples: the tokens of the host

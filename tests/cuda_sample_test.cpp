@@ -313,6 +313,63 @@ TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
   }
 }
 
+// Speculative runs under a JSON schema whose rows the GPU samples, each with
+// the matcher's mask after the drafts before it: the tokens of the host
+// path. The prompt holds a JSON text (byte tokens) three times, made
+// likelier, so the output copies it and prompt lookup finds drafts.
+TEST(CudaSample, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
+  LILY_SKIP_WITHOUT_GPU();
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.draft_sample = true;
+  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  ASSERT_GT(b->max_draft_run(), 1);
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  std::vector<int> byte_id(256, -1);
+  for (int id = 0; id < b->config().vocab_size; ++id)
+    if (tok.token_bytes(id).size() == 1) byte_id[static_cast<unsigned char>(tok.token_bytes(id)[0])] = id;
+  std::vector<int> text;
+  for (unsigned char c : std::string(R"({"name": "abc", "ok": true, "list": [1, 2, 30]})")) text.push_back(byte_id[c]);
+  ASSERT_EQ(byte_id[0xff] >= 0, true);
+  int accepted = 0, runs = 0;
+  for (int variant = 0; variant < 2; ++variant) {
+    engine::GenerationParams p;
+    for (int r = 0; r < 3; ++r) {
+      p.prompt.insert(p.prompt.end(), text.begin(), text.end());
+      p.prompt.push_back(byte_id['\n']);
+    }
+    for (int id : text) {
+      bool seen = false;
+      for (const auto& [i, v] : p.sampling.logit_bias) seen = seen || i == id;
+      if (!seen) p.sampling.logit_bias.push_back({id, 6.f});
+    }
+    p.max_tokens = 60;
+    p.stop_token_ids = {byte_id[0xff]};
+    p.json_grammar = text::JsonGrammar::any_object();
+    p.sampling.temperature = variant == 0 ? 0.f : 0.8f;
+    p.sampling.top_k = 40;
+    p.sampling.seed = 5;
+    p.sampling.has_seed = true;
+    std::vector<int> ids[2];
+    engine::GenerationResult res[2];
+    for (int on = 0; on < 2; ++on) {
+      engine::Generator g(*b, &tok, 512);
+      g.backend_sampling = on == 1;
+      g.speculative_tokens = 6;
+      g.speculative_adaptive = false;
+      res[on] = g.generate(p, [&](engine::GenerationEvent&& e) {
+        if (e.token) ids[on].push_back(e.token->id);
+        return true;
+      });
+    }
+    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
+    EXPECT_EQ(res[1].accepted_tokens, res[0].accepted_tokens);
+    accepted += res[1].accepted_tokens;
+    runs += res[1].draft_tokens > 0;
+  }
+  EXPECT_GT(runs, 0);
+  EXPECT_GT(accepted, 0);
+}
+
 // Draft runs whose rows the GPU samples (CudaOptions::draft_sample): the
 // tokens of the same speculative generation with the rows copied to the
 // host, drafts taken and refused.

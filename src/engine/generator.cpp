@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <new>
 
@@ -222,6 +223,10 @@ class Generator::Speculation {
     k_ = max_k_;
   }
 
+  // A grammar's masks for a run's rows (rows[i]: the token after run[i]);
+  // false where the backend cannot take the run (it goes to the host).
+  std::function<bool(const std::vector<int>& run, std::vector<TokenSampling>& rows)> row_masks;
+
   // Whether the backend chose the pending run's tokens (row_id(i): row
   // i's), rather than returning its rows of logits.
   bool picked() const { return picker_ != nullptr; }
@@ -341,6 +346,7 @@ class Generator::Speculation {
       if (!r || !g_.backend_.can_sample_draft(*r)) return false;
       rows.push_back(std::move(*r));
     }
+    if (row_masks && !row_masks(run, rows)) return false;
     picker.backend_draw(rows);
     row_ids_.assign(run.size(), 0);
     row_drew_.assign(run.size(), 0);
@@ -456,8 +462,6 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     const std::optional<TokenSampling> probe = sampler.backend_params(V);
     return probe && backend_.can_sample(*probe);
   }();
-  // A draft run's rows too, where no grammar may mask any of them.
-  Sampler* const run_picker = backend_picks && !grammar ? &sampler : nullptr;
   // Constrained tokens too where the backend applies the grammar's mask:
   // the mask goes with the request (a bit an id) instead of the row
   // coming back to be masked here.
@@ -467,6 +471,8 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     probe->allow.assign(allow_words(V), ~0u);
     return backend_.can_sample(*probe);
   }();
+  // A draft run's rows too (with their grammar masks, below).
+  Sampler* const run_picker = backend_picks && (!grammar || backend_masks) ? &sampler : nullptr;
   // The backend's request for the token after the one about to be fed, if
   // the backend takes it (the grammar's mask for it when one is active).
   auto backend_request = [&]() -> std::optional<TokenSampling> {
@@ -480,6 +486,41 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       };
     return r;
   };
+  // A run's rows under a grammar: where the gate waits for a text the rows
+  // are free unless the drafts' bytes bring the text (then the host takes
+  // the run); where it is active, row i's mask is the matcher's after the
+  // drafts up to run[i], computed while the device runs the run's forward
+  // (the matcher fed ahead and put back). A run whose drafts end a tool call
+  // goes to the host; rows past a draft the grammar refuses are never used
+  // (that row's sample differs from the draft) and stay unmasked.
+  if (grammar && run_picker)
+    spec.row_masks = [&](const std::vector<int>& run, std::vector<TokenSampling>& rows) {
+      if (gate == Gate::Off) return true;
+      if (gate != Gate::Active) {
+        std::string text = before;
+        for (size_t i = 1; i < run.size(); ++i) text += tokenizer_->token_bytes(run[i]);
+        return text.find(gate == Gate::WaitAfter ? after : params.tool_trigger) == std::string::npos;
+      }
+      const std::shared_ptr<const text::JsonMatcher::Checkpoint> start = matcher->checkpoint();
+      size_t reached = 1;  // rows [0, reached) follow drafts the grammar allows
+      bool ends_call = false;
+      for (; reached < run.size() && matcher->feed(tokenizer_->token_bytes(run[reached])); ++reached)
+        if (matcher->released()) {
+          ends_call = true;
+          break;
+        }
+      matcher->restore(*start);
+      if (ends_call) return false;
+      auto drafts = std::make_shared<const std::vector<int>>(run);
+      for (size_t i = 0; i < reached; ++i)
+        rows[i].allow_fill = [&, start, drafts, i](std::vector<uint32_t>& bits) {
+          for (size_t k = 1; k <= i; ++k) matcher->feed(tokenizer_->token_bytes((*drafts)[k]));
+          matcher->allowed_tokens(*trie_, allowed);
+          pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, bits);
+          matcher->restore(*start);
+        };
+      return true;
+    };
   Clock::time_point t_first{};
   for (;;) {
     std::span<const float> pick_from = logits;

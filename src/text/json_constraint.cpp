@@ -1098,6 +1098,22 @@ bool JsonMatcher::feed(std::string_view bytes) {
   return true;
 }
 
+// What feed() makes lives in the persist arena, which only grows: a copy
+// of the stacks is the whole state.
+struct JsonMatcher::Checkpoint {
+  const JsonMatcher::Impl* owner;
+  Stacks st;
+};
+
+std::shared_ptr<const JsonMatcher::Checkpoint> JsonMatcher::checkpoint() const {
+  return std::make_shared<const Checkpoint>(Checkpoint{impl_.get(), impl_->cur});
+}
+
+void JsonMatcher::restore(const Checkpoint& c) {
+  if (c.owner != impl_.get()) fail("JsonMatcher::restore: a checkpoint of another matcher");
+  impl_->cur = c.st;
+}
+
 bool JsonMatcher::can_feed(std::string_view bytes) const {
   impl_->scratch.reset();
   Stacks st = impl_->cur;

@@ -162,6 +162,12 @@ class JsonMatcher {
   // mask has trie.vocab_size() entries.
   void allowed_tokens(const TokenTrie& trie, std::vector<uint8_t>& mask) const;
 
+  // The state as it is now, to come back to after feeding bytes ahead (a
+  // speculative run's drafts); valid for the matcher's lifetime.
+  struct Checkpoint;
+  std::shared_ptr<const Checkpoint> checkpoint() const;
+  void restore(const Checkpoint& c);
+
   struct Impl;
 
  private:
