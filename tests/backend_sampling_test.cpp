@@ -326,16 +326,7 @@ TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
 // choosing ([1]).
 std::array<std::vector<int>, 2> both_ways(SamplingBackend& b, const text::Tokenizer& tok,
                                           const engine::GenerationParams& p) {
-  std::array<std::vector<int>, 2> ids;
-  for (int on = 0; on < 2; ++on) {
-    engine::Generator g(b, &tok, 256);
-    g.backend_sampling = on == 1;
-    g.generate(p, [&](engine::GenerationEvent&& e) {
-      if (e.token) ids[static_cast<size_t>(on)].push_back(e.token->id);
-      return true;
-    });
-  }
-  return ids;
+  return {test::generate_with(b, &tok, p, false).ids, test::generate_with(b, &tok, p, true).ids};
 }
 
 // Constrained decoding with the grammar's mask applied by the backend (an
@@ -456,23 +447,13 @@ TEST(BackendSampling, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
     p.sampling.top_k = 40;
     p.sampling.seed = static_cast<uint64_t>(variant + 1);
     p.sampling.has_seed = true;
-    std::vector<int> ids[2];
-    engine::GenerationResult res[2];
     b.draft_calls = 0;
-    for (int on = 0; on < 2; ++on) {
-      engine::Generator g(b, &tok, 512);
-      g.backend_sampling = on == 1;
-      g.speculative_tokens = 6;
-      g.speculative_adaptive = false;
-      res[on] = g.generate(p, [&](engine::GenerationEvent&& e) {
-        if (e.token) ids[on].push_back(e.token->id);
-        return true;
-      });
-    }
-    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
-    EXPECT_EQ(res[1].accepted_tokens, res[0].accepted_tokens) << "variant " << variant;
-    drafted += res[1].draft_tokens;
-    accepted += res[1].accepted_tokens;
+    const test::Generated host = test::generate_with(b, &tok, p, false, 6);
+    const test::Generated dev = test::generate_with(b, &tok, p, true, 6);
+    EXPECT_EQ(dev.ids, host.ids) << "variant " << variant;
+    EXPECT_EQ(dev.result.accepted_tokens, host.result.accepted_tokens) << "variant " << variant;
+    drafted += dev.result.draft_tokens;
+    accepted += dev.result.accepted_tokens;
     runs_on_backend += b.draft_calls;
   }
   EXPECT_GT(runs_on_backend, 0);

@@ -297,19 +297,9 @@ TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
     p.sampling.presence_penalty = 0.3f;
     p.sampling.seed = static_cast<uint64_t>(variant);
     p.sampling.has_seed = true;
-    std::vector<int> ids[2];
-    std::string text[2];
-    for (int on = 0; on < 2; ++on) {
-      engine::Generator g(*b, &tok, 512);
-      g.backend_sampling = on == 1;
-      g.generate(p, [&](engine::GenerationEvent&& e) {
-        if (e.token) ids[on].push_back(e.token->id);
-        text[on] += e.text;
-        return true;
-      });
-    }
-    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant << ": " << text[0] << " / " << text[1];
-    EXPECT_GT(ids[0].size(), 4u);
+    const test::Generated host = test::generate_with(*b, &tok, p, false), dev = test::generate_with(*b, &tok, p, true);
+    EXPECT_EQ(dev.ids, host.ids) << "variant " << variant;
+    EXPECT_GT(host.ids.size(), 4u);
   }
 }
 
@@ -349,22 +339,12 @@ TEST(CudaSample, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
     p.sampling.top_k = 40;
     p.sampling.seed = 5;
     p.sampling.has_seed = true;
-    std::vector<int> ids[2];
-    engine::GenerationResult res[2];
-    for (int on = 0; on < 2; ++on) {
-      engine::Generator g(*b, &tok, 512);
-      g.backend_sampling = on == 1;
-      g.speculative_tokens = 6;
-      g.speculative_adaptive = false;
-      res[on] = g.generate(p, [&](engine::GenerationEvent&& e) {
-        if (e.token) ids[on].push_back(e.token->id);
-        return true;
-      });
-    }
-    EXPECT_EQ(ids[1], ids[0]) << "variant " << variant;
-    EXPECT_EQ(res[1].accepted_tokens, res[0].accepted_tokens);
-    accepted += res[1].accepted_tokens;
-    runs += res[1].draft_tokens > 0;
+    const test::Generated host = test::generate_with(*b, &tok, p, false, 6);
+    const test::Generated dev = test::generate_with(*b, &tok, p, true, 6);
+    EXPECT_EQ(dev.ids, host.ids) << "variant " << variant;
+    EXPECT_EQ(dev.result.accepted_tokens, host.result.accepted_tokens);
+    accepted += dev.result.accepted_tokens;
+    runs += dev.result.draft_tokens > 0;
   }
   EXPECT_GT(runs, 0);
   EXPECT_GT(accepted, 0);

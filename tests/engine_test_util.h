@@ -47,4 +47,25 @@ inline engine::GenerationParams looping_prompt(int V, unsigned seed) {
   return p;
 }
 
+// One generation through a fresh generator on b: its tokens and result,
+// the next token chosen by the backend where it takes it (on_backend) or
+// always on the host, with up to `speculative` drafts a run (0: none).
+struct Generated {
+  std::vector<int> ids;
+  engine::GenerationResult result;
+};
+inline Generated generate_with(Backend& b, const text::Tokenizer* tok, const engine::GenerationParams& p,
+                               bool on_backend, int speculative = 0) {
+  engine::Generator g(b, tok, 512);
+  g.backend_sampling = on_backend;
+  g.speculative_tokens = speculative;
+  g.speculative_adaptive = false;
+  Generated out;
+  out.result = g.generate(p, [&](engine::GenerationEvent&& e) {
+    if (e.token) out.ids.push_back(e.token->id);
+    return true;
+  });
+  return out;
+}
+
 }  // namespace lily::test
