@@ -358,7 +358,8 @@ int Sampler::sample(std::span<const float> logits, std::span<const int> history,
     n = k;
   } else {
     weights_.resize(vocab);
-    for (size_t i = 0; i < vocab; ++i) weights_[i] = weight(static_cast<int>(i));
+    // exp(-inf) is 0: a masked id (a grammar's, or -inf logits) costs no exp.
+    for (size_t i = 0; i < vocab; ++i) weights_[i] = work_[i] > kNegInf ? weight(static_cast<int>(i)) : 0.0;
   }
   auto w = [&](int id) { return k < vocab ? weight(id) : weights_[id]; };
 
