@@ -970,13 +970,12 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
       std::vector<int> ids;  // this generation's tokens
       auto once = [&](bool on_backend, int r) {
         g.backend_sampling = on_backend;
-        generated = 0;
         ids.clear();
         const auto res = g.generate(gp, [&](engine::GenerationEvent&& e) {
-          generated += e.token.has_value();
           if (e.token) ids.push_back(e.token->id);
           return true;
         });
+        generated = static_cast<int>(ids.size());
         const bool early = constrain && res.finish == engine::FinishReason::Stop && generated >= 2;
         if (res.completion_tokens != generated || (generated != tokens && !early))
           fail("bench --generate: the generator stopped after ", generated, " of ", tokens, " tokens (",

@@ -473,17 +473,18 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   }();
   // A draft run's rows too (with their grammar masks, below).
   Sampler* const run_picker = backend_picks && (!grammar || backend_masks) ? &sampler : nullptr;
+  // The matcher's mask for the next token, as the backend takes it.
+  auto mask_bits = [&](std::vector<uint32_t>& bits) {
+    matcher->allowed_tokens(*trie_, allowed);
+    pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, bits);
+  };
   // The backend's request for the token after the one about to be fed, if
   // the backend takes it (the grammar's mask for it when one is active).
   auto backend_request = [&]() -> std::optional<TokenSampling> {
     if (!backend_picks || (gate == Gate::Active && !backend_masks)) return std::nullopt;
     std::optional<TokenSampling> r = sampler.backend_request(history, prompt.size(), V);
     if (r && !backend_.can_sample(*r)) r.reset();
-    if (r && gate == Gate::Active)  // filled while the device runs the step (the matcher has the token)
-      r->allow_fill = [&](std::vector<uint32_t>& bits) {
-        matcher->allowed_tokens(*trie_, allowed);
-        pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, bits);
-      };
+    if (r && gate == Gate::Active) r->allow_fill = mask_bits;  // filled while the device runs the step
     return r;
   };
   // A run's rows under a grammar: where the gate waits for a text the rows
@@ -515,8 +516,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       for (size_t i = 0; i < reached; ++i)
         rows[i].allow_fill = [&, start, drafts, i](std::vector<uint32_t>& bits) {
           for (size_t k = 1; k <= i; ++k) matcher->feed(tokenizer_->token_bytes((*drafts)[k]));
-          matcher->allowed_tokens(*trie_, allowed);
-          pack_allowed(allowed, matcher->accepting(), params.stop_token_ids, bits);
+          mask_bits(bits);
           matcher->restore(*start);
         };
       return true;

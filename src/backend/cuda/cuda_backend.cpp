@@ -168,12 +168,17 @@ struct Step {
   std::function<void(cudaStream_t, bool)> run;
 };
 
-// s with its allow mask filled by s.allow_fill (sampling.h), in out.
-const TokenSampling& with_allow(const TokenSampling& s, TokenSampling& out) {
-  out = s;
-  out.allow_fill = nullptr;
-  s.allow_fill(out.allow);
-  return out;
+// The rows s with each allow mask that waits for its allow_fill (sampling.h)
+// filled: s itself where none waits, else copies in storage.
+std::span<const TokenSampling> with_allow(std::span<const TokenSampling> s, std::vector<TokenSampling>& storage) {
+  auto waits = [](const TokenSampling& r) { return r.allow_fill && r.allow.empty(); };
+  if (std::none_of(s.begin(), s.end(), waits)) return s;
+  storage.assign(s.begin(), s.end());
+  for (TokenSampling& r : storage) {
+    if (waits(r)) r.allow_fill(r.allow);
+    r.allow_fill = nullptr;
+  }
+  return storage;
 }
 
 }  // namespace
@@ -1745,8 +1750,8 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   LILY_CUDA(cudaMemcpyAsync(&ctrl->token, m.pinned.as<int>(), sizeof(int), cudaMemcpyHostToDevice, m.stream));
   m.run_step(cache);
   // The mask the caller computes while the step runs.
-  TokenSampling filled;
-  const TokenSampling& r = s.allow_fill && s.allow.empty() ? with_allow(s, filled) : s;
+  std::vector<TokenSampling> filled;
+  const TokenSampling& r = with_allow(std::span<const TokenSampling>(&s, 1), filled).front();
   if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty()) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
     // same order: NaN never taken, lower id on ties), 8 bytes back. Its
@@ -1796,15 +1801,8 @@ void CudaBackend::forward_draft_sample(SequenceCache& base, std::span<const int>
     return;
   }
   m.draft_pass(cache, tokens, nullptr);  // the rows stay in pLogits
-  std::vector<TokenSampling> filled;
-  for (size_t i = 0; i < s.size() && filled.empty(); ++i)
-    if (s[i].allow_fill && s[i].allow.empty()) {
-      filled.resize(s.size());
-      for (size_t j = 0; j < s.size(); ++j)
-        if (s[j].allow_fill && s[j].allow.empty()) with_allow(s[j], filled[j]);
-        else filled[j] = s[j];
-    }
-  m.sample_rows(filled.empty() ? s : std::span<const TokenSampling>(filled), m.pLogits.as<float>(), ids, drew);
+  std::vector<TokenSampling> filled;  // the masks the caller computes while the run's forward runs
+  m.sample_rows(with_allow(s, filled), m.pLogits.as<float>(), ids, drew);
   cache.advance(T);
   draft_begin(cache, T);
   cache.draft.active = true;

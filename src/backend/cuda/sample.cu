@@ -785,7 +785,7 @@ int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
   if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_sample: ", a.rows, " rows (1..", kMaxSampleRows, ")");
   if (a.rows > 1 && a.row_stride < size_t(a.V)) fail("launch_sample: rows closer than V logits apart");
   if (a.adjust_off && !a.adjust) fail("launch_sample: adjustment offsets without adjustments");
-  if (a.allow && a.allow_words < (size_t(a.V) + 31) / 32) fail("launch_sample: an allow mask shorter than the row");
+  if (a.allow && a.allow_words < allow_words(size_t(a.V))) fail("launch_sample: an allow mask shorter than the row");
   const int blocks = (a.V + kSbPerBlock - 1) / kSbPerBlock;
   int made = 0;
   auto mark = [&] {
