@@ -241,7 +241,11 @@ class SamplingBackend : public Backend {
   int max_draft_run() const override { return b_.max_draft_run(); }
   void forward_draft(SequenceCache& c, std::span<const int> t, float* l) override { b_.forward_draft(c, t, l); }
   void accept_draft(SequenceCache& c, int n) override { b_.accept_draft(c, n); }
-  bool can_sample(const TokenSampling& s) const override { return s.temperature == 0.f || s.top_k <= 64; }
+  bool can_sample(const TokenSampling& s) const override {
+    if (s.logprobs >= 0 && (!takes_logprobs || s.logprobs > kMaxBackendLogprobs)) return false;
+    return s.temperature == 0.f || s.top_k <= 64;
+  }
+  bool takes_logprobs = true;
   bool can_sample_draft(const TokenSampling& s) const override { return can_sample(s); }
   void forward_draft_sample(SequenceCache& c, std::span<const int> t, std::span<const TokenSampling> s, int* ids,
                             int* drew) override {
@@ -253,8 +257,10 @@ class SamplingBackend : public Backend {
       bool d = false;
       TokenSampling r = s[i];
       if (r.allow_fill && r.allow.empty()) r.allow_fill(r.allow);
-      ids[i] = reference_pick(std::vector<float>(rows.begin() + i * V, rows.begin() + (i + 1) * V), r, d);
+      const std::vector<float> row(rows.begin() + i * V, rows.begin() + (i + 1) * V);
+      ids[i] = reference_pick(row, r, d);
       drew[i] = d ? 1 : 0;
+      give_logprobs(row, r, ids[i]);
     }
   }
   int draft_calls = 0;
@@ -265,11 +271,19 @@ class SamplingBackend : public Backend {
     TokenSampling r = s;  // the mask filled after the step, as a backend that overlaps them would
     if (r.allow_fill && r.allow.empty()) r.allow_fill(r.allow);
     masked_calls += !r.allow.empty();
-    return reference_pick(row, r, drew);
+    const int id = reference_pick(row, r, drew);
+    give_logprobs(row, r, id);
+    return id;
   }
   int calls = 0, masked_calls = 0;
 
  private:
+  static void give_logprobs(const std::vector<float>& row, const TokenSampling& r, int id) {
+    if (r.logprobs < 0) return;
+    if (!r.logprobs_out) throw std::runtime_error("logprobs asked for with nowhere to put them");
+    r.logprobs_out->logprob = engine::logprob_of(row, id);
+    r.logprobs_out->top = engine::top_logprobs(row, static_cast<size_t>(r.logprobs));
+  }
   Backend& b_;
 };
 
@@ -307,10 +321,15 @@ TEST(BackendSampling, GeneratorGivesTheHostPathsTokens) {
   const std::vector<int> dev = generate(b, true, p);
   EXPECT_EQ(b.calls, 19);  // every token after the prefill's
   EXPECT_EQ(dev, host);
-  p.top_logprobs = 2;  // needs the row: stays on the host
+  p.top_logprobs = 2;  // the backend gives them with its choice
+  b.calls = 0;
+  EXPECT_EQ(generate(b, true, p), host);
+  EXPECT_EQ(b.calls, 19);
+  b.takes_logprobs = false;  // else the row comes back for them
   b.calls = 0;
   EXPECT_EQ(generate(b, true, p), host);
   EXPECT_EQ(b.calls, 0);
+  b.takes_logprobs = true;
   p.top_logprobs = -1;
   p.sampling.top_k = 100;  // more than this backend takes
   const std::vector<int> host100 = generate(b, false, p);
@@ -492,6 +511,51 @@ TEST(BackendSampling, DraftRunsSampledByTheBackendGiveTheHostPathsTokens) {
   }
   EXPECT_GT(accepted, 0) << "no draft was ever taken: the test exercises nothing";
   EXPECT_LT(accepted, drafted) << "no draft was ever refused: the draws given back go untested";
+}
+
+// Log-probabilities given by the backend with its choice (TokenSampling::
+// logprobs): every token's, and its alternatives', those of the host path
+// (which computes them from the row), for plain steps, draft runs and a
+// grammar's masked tokens. Where the generator ignored them, or took them
+// from the wrong row, the values would differ.
+TEST(BackendSampling, LogprobsGivenByTheBackendAreTheHostPaths) {
+  SamplingBackend b(test::fixture_backend("qwen3_5_moe"));
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  std::optional<int> stop;
+  for (int id = 0; id < b.config().vocab_size && !stop; ++id)
+    if (tok.token_bytes(id) == "\xff") stop = id;
+  ASSERT_TRUE(stop.has_value());
+  const int V = b.config().vocab_size;
+  int drafted = 0, backend_calls = 0;
+  for (int variant = 0; variant < 6; ++variant) {
+    engine::GenerationParams p = test::looping_prompt(V, static_cast<unsigned>(variant + 1));
+    p.top_logprobs = variant % 3 == 0 ? 0 : variant % 3 == 1 ? 5 : kMaxBackendLogprobs;
+    p.sampling.temperature = variant % 2 == 0 ? 0.f : 0.9f;
+    p.sampling.top_k = 40;
+    p.sampling.seed = static_cast<uint64_t>(variant);
+    p.sampling.has_seed = true;
+    p.max_tokens = 32;
+    if (variant >= 4) {  // masked tokens
+      p.json_grammar = text::JsonGrammar::any_object();
+      p.stop_token_ids = {*stop};
+    }
+    b.calls = b.draft_calls = 0;
+    const int speculative = variant < 4 ? 6 : 0;
+    const test::Generated host = test::generate_with(b, &tok, p, false, speculative);
+    ASSERT_EQ(b.calls + b.draft_calls, 0);
+    const test::Generated dev = test::generate_with(b, &tok, p, true, speculative);
+    backend_calls += b.calls + b.draft_calls;
+    drafted += dev.result.draft_tokens;
+    ASSERT_EQ(dev.ids, host.ids) << "variant " << variant;
+    ASSERT_EQ(dev.tokens.size(), host.tokens.size());
+    for (size_t i = 0; i < host.tokens.size(); ++i) {
+      EXPECT_EQ(dev.tokens[i].logprob, host.tokens[i].logprob) << "variant " << variant << " token " << i;
+      EXPECT_EQ(dev.tokens[i].top, host.tokens[i].top) << "variant " << variant << " token " << i;
+      EXPECT_EQ(host.tokens[i].top.size(), static_cast<size_t>(p.top_logprobs));
+    }
+  }
+  EXPECT_GT(backend_calls, 50);
+  EXPECT_GT(drafted, 0) << "no draft run: the runs' logprobs go untested";
 }
 
 }  // namespace

@@ -395,6 +395,125 @@ TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
   EXPECT_LT(accepted, drafted);
 }
 
+// launch_logprobs against engine::logprob_of / top_logprobs on the same raw
+// rows: several rows in one launch (a draft run's), NaN, -inf and exact
+// ties, chosen ids at -inf and NaN, rows with no finite logit and with +inf,
+// vocabularies that are not multiples of the 2,048-logit blocks and one
+// shorter than the alternatives asked for.
+TEST(CudaSample, LogprobsMatchTheHostsOnTheRawRows) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(77);
+  const float inf = std::numeric_limits<float>::infinity();
+  int compared = 0;
+  for (int V : {248320, 151943, 3001, 2048, 7}) {
+    for (int top : {0, 1, 5, kMaxBackendLogprobs}) {
+      for (int R : {1, 3, 16}) {
+        std::vector<float> rows;
+        std::vector<int> ids(2 * static_cast<size_t>(R));
+        std::uniform_int_distribution<int> at(0, V - 1);
+        for (int r = 0; r < R; ++r) {
+          std::vector<float> row = random_row(V, rng, V > 100 && r % 2 == 1);
+          if (r % 3 == 2)
+            for (float& x : row)
+              if (std::isfinite(x)) x = std::round(x * 2.f) / 2.f;  // ties at the top
+          if (r == 4) std::fill(row.begin(), row.end(), -inf);      // no finite logit
+          if (r == 5) row[static_cast<size_t>(at(rng))] = inf;      // lse +inf
+          rows.insert(rows.end(), row.begin(), row.end());
+          ids[2 * static_cast<size_t>(r)] = at(rng);
+        }
+        if (R > 1) rows[static_cast<size_t>(V) + static_cast<size_t>(ids[2])] = -inf;  // a chosen id at -inf
+        if (R > 2) rows[2 * static_cast<size_t>(V) + static_cast<size_t>(ids[4])] = std::nanf("");
+        DeviceBuffer dl, di, dw(cuda::logprob_workspace_bytes(V, R)), dout(sizeof(cuda::RowLogprobs) * R);
+        cuda::upload(dl, rows.data(), rows.size());
+        cuda::upload(di, ids.data(), ids.size());
+        cuda::LogprobArgs a;
+        a.logits = dl.as<float>();
+        a.V = V;
+        a.rows = R;
+        a.row_stride = static_cast<size_t>(V);
+        a.ids = di.as<int>();
+        a.top = top;
+        a.work = dw.get();
+        a.out = dout.as<cuda::RowLogprobs>();
+        cuda::launch_logprobs(a, nullptr);
+        std::vector<cuda::RowLogprobs> got(static_cast<size_t>(R));
+        LILY_CUDA(cudaMemcpy(got.data(), dout.get(), sizeof(cuda::RowLogprobs) * R, cudaMemcpyDeviceToHost));
+        auto near = [](float want, float have) {
+          if (std::isnan(want)) return std::isnan(have);
+          if (std::isinf(want)) return want == have;
+          return std::abs(want - have) <= 2e-6f * std::max(1.f, std::abs(want));
+        };
+        for (int r = 0; r < R; ++r) {
+          const std::span<const float> row(rows.data() + static_cast<size_t>(r) * V, static_cast<size_t>(V));
+          const std::string where = "V " + std::to_string(V) + " top " + std::to_string(top) + " R " +
+                                    std::to_string(R) + " row " + std::to_string(r);
+          const float want = engine::logprob_of(row, ids[2 * static_cast<size_t>(r)]);
+          EXPECT_TRUE(near(want, got[r].logprob)) << where << ": " << want << " vs " << got[r].logprob;
+          const auto alt = engine::top_logprobs(row, static_cast<size_t>(top));
+          ASSERT_EQ(static_cast<size_t>(got[r].n), alt.size()) << where;
+          for (size_t i = 0; i < alt.size(); ++i) {
+            EXPECT_EQ(got[r].ids[i], alt[i].first) << where << " alternative " << i;
+            EXPECT_TRUE(near(alt[i].second, got[r].lp[i]))
+                << where << " alternative " << i << ": " << alt[i].second << " vs " << got[r].lp[i];
+          }
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 300);
+}
+
+// The generator with the device choosing and giving the logprobs (plain
+// steps, draft runs, a grammar's masked tokens): the tokens and the
+// logprobs of the host path, which takes them from the row it copies back.
+TEST(CudaSample, LogprobsWithTheDevicesChoiceMatchTheHostPath) {
+  LILY_SKIP_WITHOUT_GPU();
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.draft_sample = true;
+  o.sample_whole = true;
+  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  const text::Tokenizer& tok = test::fixture_tokenizer();
+  std::optional<int> stop;
+  for (int id = 0; id < b->config().vocab_size && !stop; ++id)
+    if (tok.token_bytes(id) == "\xff") stop = id;
+  ASSERT_TRUE(stop.has_value());
+  const int V = b->config().vocab_size;
+  int drafted = 0, compared = 0;
+  for (int variant = 0; variant < 6; ++variant) {
+    engine::GenerationParams p = test::looping_prompt(V, static_cast<unsigned>(variant + 1));
+    p.top_logprobs = variant % 3 == 0 ? 0 : variant % 3 == 1 ? 5 : kMaxBackendLogprobs;
+    p.sampling.temperature = variant % 2 == 0 ? 0.f : 0.9f;
+    p.sampling.top_k = variant == 3 ? 0 : 40;
+    p.sampling.seed = static_cast<uint64_t>(variant);
+    p.sampling.has_seed = true;
+    p.max_tokens = 40;
+    if (variant >= 4) {
+      p.json_grammar = text::JsonGrammar::any_object();
+      p.stop_token_ids = {*stop};
+    }
+    const int speculative = variant < 4 ? 6 : 0;
+    const test::Generated host = test::generate_with(*b, &tok, p, false, speculative);
+    const test::Generated dev = test::generate_with(*b, &tok, p, true, speculative);
+    drafted += dev.result.draft_tokens;
+    ASSERT_EQ(dev.ids, host.ids) << "variant " << variant;
+    ASSERT_EQ(dev.tokens.size(), host.tokens.size());
+    for (size_t i = 0; i < host.tokens.size(); ++i) {
+      const engine::TokenInfo &h = host.tokens[i], &d = dev.tokens[i];
+      EXPECT_NEAR(d.logprob, h.logprob, 1e-5) << "variant " << variant << " token " << i;
+      ASSERT_EQ(d.top.size(), h.top.size()) << "variant " << variant << " token " << i;
+      ASSERT_EQ(h.top.size(), static_cast<size_t>(p.top_logprobs));
+      for (size_t k = 0; k < h.top.size(); ++k) {
+        EXPECT_EQ(d.top[k].first, h.top[k].first) << "variant " << variant << " token " << i << " alternative " << k;
+        EXPECT_NEAR(d.top[k].second, h.top[k].second, 1e-5) << "variant " << variant << " token " << i;
+      }
+      ++compared;
+    }
+  }
+  EXPECT_GT(compared, 150);
+  EXPECT_GT(drafted, 0) << "no draft run: the runs' logprobs go untested";
+}
+
 }  // namespace
 }  // namespace lily
 

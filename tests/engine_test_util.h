@@ -52,6 +52,7 @@ inline engine::GenerationParams looping_prompt(int V, unsigned seed) {
 // always on the host, with up to `speculative` drafts a run (0: none).
 struct Generated {
   std::vector<int> ids;
+  std::vector<engine::TokenInfo> tokens;  // with their logprobs, when asked for
   engine::GenerationResult result;
 };
 inline Generated generate_with(Backend& b, const text::Tokenizer* tok, const engine::GenerationParams& p,
@@ -62,7 +63,10 @@ inline Generated generate_with(Backend& b, const text::Tokenizer* tok, const eng
   g.speculative_adaptive = false;
   Generated out;
   out.result = g.generate(p, [&](engine::GenerationEvent&& e) {
-    if (e.token) out.ids.push_back(e.token->id);
+    if (e.token) {
+      out.ids.push_back(e.token->id);
+      out.tokens.push_back(*e.token);
+    }
     return true;
   });
   return out;

@@ -26,14 +26,30 @@
 //   the crossing bucket's best first (without top_p: every id in id
 //   order). The same draw picks the same token up to last-bit differences
 //   of the sums, which a backend may add in another order.
+// With TokenSampling::logprobs, the chosen id's log-probability and the
+// most likely ids' come back with it (TokenLogprobs), under the raw row as
+// engine::logprob_of / top_logprobs give them: a request for logprobs
+// needs no row on the host either.
 // Plain structs: included by the CUDA sources (C++17) as well.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace lily {
+
+// A sampled token's log-probabilities, under the row's raw logits (before
+// any adjustment, mask or temperature; NaN as -inf), as
+// engine::logprob_of / engine::top_logprobs give them from the row.
+struct TokenLogprobs {
+  float logprob = 0.f;                     // the chosen id's
+  std::vector<std::pair<int, float>> top;  // the `logprobs` most likely ids, most likely first (lower id on ties)
+};
+
+// The most alternatives a backend must report (OpenAI's top_logprobs cap).
+constexpr int kMaxBackendLogprobs = 20;
 
 struct LogitAdjust {
   enum : uint32_t { kBias = 1, kRep = 2, kSub = 4 };
@@ -59,6 +75,11 @@ struct TokenSampling {
   // host computes a grammar's mask while the device runs the step.
   std::function<void(std::vector<uint32_t>& allow)> allow_fill;
   double u = 0.0;  // the draw (sampling only)
+  // -1: no log-probabilities. Else 0..kMaxBackendLogprobs: the backend
+  // writes the chosen id's log-probability and this many alternatives to
+  // *logprobs_out (which must then be set) before its call returns.
+  int logprobs = -1;
+  TokenLogprobs* logprobs_out = nullptr;
 };
 
 // The words of an allow mask over a vocabulary of `vocab` ids.

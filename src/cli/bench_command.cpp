@@ -31,6 +31,8 @@
 // a tokenizer's vocabulary (the model's, or --tokenizer DIR), <|im_end|> /
 // <|endoftext|> as stop tokens: a run ends where the object does, so the
 // rate is over the tokens each repeat made (the same tokens both ways).
+// --logprobs K asks for every token's log-probability and K alternatives
+// (the server's logprobs / top_logprobs).
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -888,7 +890,7 @@ std::vector<double> backend_decode_ms(Backend& b, const Setup& s, int ctx, int s
 // Generation as a client of the server sees it (the file's header).
 nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Setup& s, int tokens,
                                       const engine::SamplingParams& sampling, int threads, const std::string& kv,
-                                      const text::Tokenizer* constrain) {
+                                      const text::Tokenizer* constrain, int logprobs) {
   auto b = bench_backend(std::move(w), s, threads, kv);
   const int V = b->config().vocab_size;
   const int steps = tokens - 1;  // forwards between the first token and the last
@@ -920,6 +922,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
   j["sampling"] = {{"temperature", sampling.temperature}, {"top_k", sampling.top_k}, {"top_p", sampling.top_p},
                    {"min_p", sampling.min_p}, {"seed", sampling.seed}};
   j["constrained"] = constrain ? "json_object" : "none";
+  j["top_logprobs"] = logprobs;  // -1: none
   j["warmup"] = s.warmup;
   j["repeats"] = s.repeats;
   // Where the backend takes the request (Backend::can_sample), the
@@ -928,12 +931,18 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
   engine::Sampler probe(sampling);
   std::optional<TokenSampling> request = probe.backend_request({}, 0, static_cast<size_t>(V));
   if (request && constrain) request->allow.assign(allow_words(static_cast<size_t>(V)), ~0u);
+  TokenLogprobs probe_lp;
+  if (request && logprobs >= 0) {
+    request->logprobs = logprobs;
+    request->logprobs_out = &probe_lp;
+  }
   const bool both = request && b->can_sample(*request);
   j["backend_picks"] = both;
-  std::printf("generation: %s%d token%s through the generator (%s%s; chosen %s) against the backend's decode loop; "
-              "backend %s; model: %s\n",
+  const std::string lp_how = logprobs >= 0 ? str_cat(", logprobs with ", logprobs, " alternatives") : std::string();
+  std::printf("generation: %s%d token%s through the generator (%s%s%s; chosen %s) against the backend's decode "
+              "loop; backend %s; model: %s\n",
               constrain ? "up to " : "", tokens, tokens == 1 ? "" : "s", how.c_str(),
-              constrain ? ", a JSON object by the grammar's mask" : "",
+              constrain ? ", a JSON object by the grammar's mask" : "", lp_how.c_str(),
               both ? "by the backend, and on the host for comparison" : "on the host", b->name().c_str(),
               s.model_desc.c_str());
   if (steps == 0) std::printf("(one token: only the prefill's, no decode to time)\n");
@@ -955,6 +964,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
       gp.max_tokens = tokens;
       gp.reuse_prefix = true;
       gp.speculative_tokens = 0;
+      gp.top_logprobs = logprobs;
       if (constrain) {
         gp.json_grammar = text::JsonGrammar::any_object();
         gp.stop_token_ids = stop_ids;
@@ -1039,7 +1049,7 @@ int cmd_bench(int argc, char** argv) {
   Args a(argc, argv,
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
-          "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer"},
+          "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer", "--logprobs"},
          {"--profile", "--trace", "--handover", "--sampling", "--json-object"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
@@ -1058,7 +1068,7 @@ int cmd_bench(int argc, char** argv) {
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
   if (a.has("--sampling") && s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
   // --generate: checked before the model loads.
-  for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p", "--json-object", "--tokenizer"})
+  for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p", "--json-object", "--tokenizer", "--logprobs"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
   const int generate = static_cast<int>(a.integer("--generate", 0, 1, 100000));
   engine::SamplingParams sampling;
@@ -1094,7 +1104,8 @@ int cmd_bench(int argc, char** argv) {
       tok.emplace(text::Tokenizer::from_dir(a.str("--tokenizer", a.str("--model", ""))));
     }
     j = bench_generate(std::move(w), s, generate, sampling, static_cast<int>(a.integer("--threads", 0, 0, 1024)),
-                       a.str("--kv"), tok ? &*tok : nullptr);
+                       a.str("--kv"), tok ? &*tok : nullptr,
+                       a.has("--logprobs") ? static_cast<int>(a.integer("--logprobs", 0, 0, kMaxBackendLogprobs)) : -1);
   } else if (a.has("--draft")) {
     std::vector<int> runs = parse_int_list(a.str("--draft"), "--draft");
     for (int T : runs)

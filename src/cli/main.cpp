@@ -24,7 +24,7 @@ const char kUsage[] =
     "  chat        [--model DIR] [--system TEXT] [--no-think]   interactive conversation\n"
     "  bench     --synthetic NAME | --model DIR [--ctx 256,4096] [--prefill 4096,...] [--reuse 512,...] [--draft 2,5] [--json F]\n"
     "            [--generate N [--temperature T] [--top-k K] [--top-p P] [--min-p M] [--seed S]\n"
-    "             [--json-object [--tokenizer DIR]]]\n"
+    "             [--json-object [--tokenizer DIR]] [--logprobs K]]\n"
     "            decode tok/s, GB/s; prefill tok/s, time to first token; draft run cost;\n"
     "            --generate: tok/s of N tokens through the generator (host sampling) against the backend's loop\n"
     "  serve     [--model DIR] [--host H] [--port P] [--api-key KEY] [--ctx N]\n"

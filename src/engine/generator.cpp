@@ -217,7 +217,7 @@ GenerationResult Generator::generate(const GenerationParams& params, const Event
 class Generator::Speculation {
  public:
   Speculation(Generator& g, const GenerationParams& params, int max_new)
-      : g_(g), max_new_(max_new) {
+      : g_(g), max_new_(max_new), logprobs_(params.top_logprobs) {
     const int limit = params.speculative_tokens >= 0 ? params.speculative_tokens : g.speculative_tokens;
     max_k_ = std::min(limit, g.backend_.max_draft_run() - 1);
     k_ = max_k_;
@@ -231,6 +231,9 @@ class Generator::Speculation {
   // i's), rather than returning its rows of logits.
   bool picked() const { return picker_ != nullptr; }
   int row_id(size_t i) const { return row_ids_[i]; }
+  // Row i's log-probabilities as the backend gave them with its choice
+  // (null when the request has none).
+  const TokenLogprobs* row_logprobs(size_t i) const { return logprobs_ >= 0 ? &row_lp_[i] : nullptr; }
 
   // Whether the sampled token is the run's next draft (then already fed).
   bool matched(int id) {
@@ -340,9 +343,14 @@ class Generator::Speculation {
     const size_t V = static_cast<size_t>(g_.backend_.config().vocab_size);
     std::vector<TokenSampling> rows;
     std::vector<int> h = history;  // ends with run[0]
+    row_lp_.assign(run.size(), {});
     for (size_t i = 0; i < run.size(); ++i) {
       if (i > 0) h.push_back(run[i]);
       std::optional<TokenSampling> r = picker.backend_request(h, prompt_len, V);
+      if (r && logprobs_ >= 0) {
+        r->logprobs = logprobs_;
+        r->logprobs_out = &row_lp_[i];
+      }
       if (!r || !g_.backend_.can_sample_draft(*r)) return false;
       rows.push_back(std::move(*r));
     }
@@ -357,11 +365,13 @@ class Generator::Speculation {
 
   Generator& g_;
   int max_new_;
+  int logprobs_;  // the request's top_logprobs (-1: none)
   int max_k_ = 0, k_ = 0;
   PromptLookup lookup_;
   std::vector<int> draft_;  // the pending run's drafts
   Sampler* picker_ = nullptr;  // set while the backend's choices for the run are pending
   std::vector<int> row_ids_, row_drew_;
+  std::vector<TokenLogprobs> row_lp_;
   size_t used_ = 0;         // how many of them the samples matched
   double step_s_ = 0, run_s_ = 0, gain_ = 0;
   int runs_ = 0, pause_ = 0, backoff_ = 16;
@@ -452,14 +462,24 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   };
 
   // The next token when the backend chose it with the step (no logits came
-  // back): only where nothing needs the row itself (no logprobs, no grammar
-  // mask at that token).
+  // back): only where nothing needs the row itself (no grammar mask the
+  // backend cannot apply at that token); with logprobs, next_lp holds the
+  // backend's for it.
   std::optional<int> next_id;
+  const TokenLogprobs* next_lp = nullptr;
+  TokenLogprobs step_lp;  // a plain step's, when the backend chose its token
+  // The request's log-probabilities asked of the backend with its choice.
+  auto with_logprobs = [&](TokenSampling& r, TokenLogprobs* out) {
+    if (params.top_logprobs < 0) return;
+    r.logprobs = params.top_logprobs;
+    r.logprobs_out = out;
+  };
   // Whether the backend takes these parameters is asked once (can_sample
   // looks at the parameters, not at a history's adjustments).
   const bool backend_picks = [&] {
-    if (!backend_sampling || params.top_logprobs >= 0) return false;
-    const std::optional<TokenSampling> probe = sampler.backend_params(V);
+    if (!backend_sampling) return false;
+    std::optional<TokenSampling> probe = sampler.backend_params(V);
+    if (probe) with_logprobs(*probe, &step_lp);
     return probe && backend_.can_sample(*probe);
   }();
   // Constrained tokens too where the backend applies the grammar's mask:
@@ -469,6 +489,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     if (!backend_picks || !grammar) return false;
     std::optional<TokenSampling> probe = sampler.backend_params(V);
     probe->allow.assign(allow_words(V), ~0u);
+    with_logprobs(*probe, &step_lp);
     return backend_.can_sample(*probe);
   }();
   // A draft run's rows too (with their grammar masks, below).
@@ -483,6 +504,7 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
   auto backend_request = [&]() -> std::optional<TokenSampling> {
     if (!backend_picks || (gate == Gate::Active && !backend_masks)) return std::nullopt;
     std::optional<TokenSampling> r = sampler.backend_request(history, prompt.size(), V);
+    if (r) with_logprobs(*r, &step_lp);
     if (r && !backend_.can_sample(*r)) r.reset();
     if (r && gate == Gate::Active) r->allow_fill = mask_bits;  // filled while the device runs the step
     return r;
@@ -541,7 +563,9 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
       pick_from = masked;
     }
     const int id = next_id ? *next_id : sampler.sample(pick_from, history, prompt.size());
+    const TokenLogprobs* id_lp = next_id ? next_lp : nullptr;
     next_id.reset();
+    next_lp = nullptr;
     if (gate != Gate::Off) {
       std::string_view bytes = tokenizer_->token_bytes(id);
       if (gate == Gate::Active) {
@@ -568,7 +592,10 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     GenerationEvent ev;
     TokenInfo info;
     info.id = id;
-    if (params.top_logprobs >= 0) {
+    if (id_lp) {  // the backend's, with its choice
+      info.logprob = id_lp->logprob;
+      info.top = id_lp->top;
+    } else if (params.top_logprobs >= 0) {
       info.logprob = logprob_of(logits, id);
       if (params.top_logprobs > 0)
         info.top = top_logprobs(logits, static_cast<size_t>(params.top_logprobs));
@@ -605,17 +632,26 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     // the logits. Otherwise settle the run (its unmatched drafts dropped)
     // and feed the token with new drafts after it, if any.
     if (spec.matched(id)) {
-      if (spec.picked()) next_id = spec.row_id(spec.used());
-      else logits = std::span<const float>(buf).subspan(spec.used() * V, V);
+      if (spec.picked()) {
+        next_id = spec.row_id(spec.used());
+        next_lp = spec.row_logprobs(spec.used());
+      } else {
+        logits = std::span<const float>(buf).subspan(spec.used() * V, V);
+      }
       continue;
     }
     spec.settle(res);
     std::optional<TokenSampling> request;
     if (spec.start(id, history, res.completion_tokens, buf, run_picker, prompt.size())) {
-      if (spec.picked()) next_id = spec.row_id(0);
-      else logits = std::span<const float>(buf).first(V);
+      if (spec.picked()) {
+        next_id = spec.row_id(0);
+        next_lp = spec.row_logprobs(0);
+      } else {
+        logits = std::span<const float>(buf).first(V);
+      }
     } else if ((request = backend_request())) {
       next_id = spec.sampled_step(id, *request, sampler);
+      next_lp = request->logprobs_out;
     } else {
       buf = spec.plain_step(id);
       logits = buf;

@@ -145,8 +145,9 @@ class Generator {
   bool speculative_adaptive = true;
   // Whether a decode step's next token may be chosen by the backend itself
   // (Backend::can_sample: the same pipeline and draw as engine::Sampler,
-  // without the row of logits coming back), where the request needs no
-  // logprobs and no grammar mask at that token. Off: always on the host.
+  // without the row of logits coming back; with a request's logprobs where
+  // the backend gives them too), where no grammar mask it cannot apply is
+  // needed at that token. Off: always on the host.
   bool backend_sampling = true;
   // Limits of the prefix cache (default 1 GiB, 32 entries; 0 bytes or
   // entries: only the live sequence is reused).

@@ -304,7 +304,7 @@ struct CudaBackend::Impl {
   PinnedBuffer pinned;
   // forward_sample: the adjustments' device copy, the candidates, the
   // result, and their pinned staging (adjustments up, 2 ints back).
-  DeviceBuffer s_adjust, s_cand, s_out;
+  DeviceBuffer s_adjust, s_cand, s_out, s_lp_work, s_lp_out;
   PinnedBuffer s_pinned;
   size_t weight_bytes = 0;
 
@@ -1595,8 +1595,11 @@ struct CudaBackend::Impl {
         fail("internal: an allow mask of ", r.allow.size(), " words for a vocabulary of ", V);
       masked = masked || !r.allow.empty();
       if (r.temperature != s0.temperature || r.top_k != s0.top_k || r.top_p != s0.top_p || r.min_p != s0.min_p ||
-          r.rep_penalty != s0.rep_penalty)
+          r.rep_penalty != s0.rep_penalty || r.logprobs != s0.logprobs)
         fail("internal: the rows of one sampling launch differ in their parameters");
+      if (r.logprobs > kMaxBackendLogprobs || (r.logprobs >= 0 && !r.logprobs_out))
+        fail("internal: ", r.logprobs, " log-probabilities asked for (at most ", kMaxBackendLogprobs,
+             ", with somewhere to put them)");
       for (size_t i = 0; i < r.adjust.size(); ++i)
         if (r.adjust[i].id < 0 || r.adjust[i].id >= V || (i > 0 && r.adjust[i].id <= r.adjust[i - 1].id))
           fail("internal: sampling adjustments must be distinct ascending ids inside the vocabulary");
@@ -1606,7 +1609,9 @@ struct CudaBackend::Impl {
     const size_t mask_at = (kOffBytes + na * sizeof(LogitAdjust) + 15) / 16 * 16;
     const size_t up = masked ? mask_at + R * W * sizeof(uint32_t) : kOffBytes + na * sizeof(LogitAdjust);
     const size_t res_at = (up + 15) / 16 * 16;
-    s_pinned.ensure(res_at + 2 * sizeof(int) * cuda::kMaxSampleRows);
+    const size_t lp_at = res_at + 2 * sizeof(int) * cuda::kMaxSampleRows;
+    const bool logprobs = s0.logprobs >= 0;
+    s_pinned.ensure(lp_at + (logprobs ? sizeof(cuda::RowLogprobs) * R : 0));
     int* off = s_pinned.as<int>();
     auto* adj = reinterpret_cast<LogitAdjust*>(s_pinned.as<char>() + kOffBytes);
     off[0] = 0;
@@ -1646,6 +1651,24 @@ struct CudaBackend::Impl {
     a.cand = s_cand.as<uint64_t>();
     a.out = s_out.as<int>();
     const int launches = cuda::launch_sample(a, stream, marks);
+    auto* lp = reinterpret_cast<cuda::RowLogprobs*>(s_pinned.as<char>() + lp_at);
+    if (logprobs) {  // under the raw rows, for the ids just chosen
+      const size_t lw = cuda::logprob_workspace_bytes(V, R);
+      if (s_lp_work.bytes() < lw) s_lp_work.alloc(lw);
+      if (s_lp_out.bytes() < sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows)
+        s_lp_out.alloc(sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows);
+      cuda::LogprobArgs la;
+      la.logits = rows;
+      la.V = V;
+      la.rows = R;
+      la.row_stride = static_cast<size_t>(V);
+      la.ids = s_out.as<int>();
+      la.top = s0.logprobs;
+      la.work = s_lp_work.get();
+      la.out = s_lp_out.as<cuda::RowLogprobs>();
+      cuda::launch_logprobs(la, stream);
+      LILY_CUDA(cudaMemcpyAsync(lp, s_lp_out.get(), sizeof(cuda::RowLogprobs) * R, cudaMemcpyDeviceToHost, stream));
+    }
     int* res = reinterpret_cast<int*>(s_pinned.as<char>() + res_at);
     LILY_CUDA(cudaMemcpyAsync(res, s_out.get(), 2 * sizeof(int) * R, cudaMemcpyDeviceToHost, stream));
     LILY_CUDA(cudaStreamSynchronize(stream));
@@ -1653,6 +1676,11 @@ struct CudaBackend::Impl {
       if (res[2 * r + 1] & 2) fail("Sampler: no token has a finite logit");
       ids[r] = res[2 * r];
       drew[r] = res[2 * r + 1] & 1;
+      if (!logprobs) continue;
+      TokenLogprobs& o = *s[r].logprobs_out;
+      o.logprob = lp[r].logprob;
+      o.top.clear();
+      for (int i = 0; i < std::min(lp[r].n, s0.logprobs); ++i) o.top.emplace_back(lp[r].ids[i], lp[r].lp[i]);
     }
     return launches;
   }
@@ -1728,6 +1756,7 @@ void CudaBackend::forward(SequenceCache& base, std::span<const int> tokens, Logi
 bool CudaBackend::can_sample(const TokenSampling& s) const {
   const int V = impl_->c.vocab_size;
   if (!s.allow.empty() && s.allow.size() != allow_words(static_cast<size_t>(V))) return false;
+  if (s.logprobs > kMaxBackendLogprobs) return false;
   if (s.temperature == 0.f) return true;
   // top_k 0: the whole vocabulary (sample.cu's second path).
   if (s.top_k == 0) return s.temperature > 0.f && impl_->opt.sample_whole;
@@ -1752,7 +1781,7 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   // The mask the caller computes while the step runs.
   std::vector<TokenSampling> filled;
   const TokenSampling& r = with_allow(std::span<const TokenSampling>(&s, 1), filled).front();
-  if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty()) {
+  if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty() && r.logprobs < 0) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
     // same order: NaN never taken, lower id on ties), 8 bytes back. Its
     // order tells -0 from +0, the Sampler's does not, and a row with no

@@ -451,6 +451,30 @@ size_t sample_workspace_bytes(int V, int kc, int rows = 1);
 constexpr int kSampleLaunches = 5;
 int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks = nullptr);
 
+// Log-probabilities under the raw rows (TokenLogprobs, sampling.h): the
+// chosen ids' (ids[2r], SampleArgs::out's layout) and each row's `top` most
+// likely ids'. Two launches: each block's max, sum of exp(x - max) in
+// double and top ids; then one block a row merges them (the log-sum-exp as
+// engine::log_sum_exp computes it, up to the order of the double sum).
+struct RowLogprobs {
+  float logprob;  // the chosen id's
+  int n;          // alternatives listed (min(top, V))
+  int ids[kMaxBackendLogprobs];
+  float lp[kMaxBackendLogprobs];
+};
+struct LogprobArgs {
+  const float* logits = nullptr;  // rows x V, row r at r * row_stride
+  int V = 0;
+  int rows = 1;  // 1..kMaxSampleRows
+  size_t row_stride = 0;
+  const int* ids = nullptr;  // row r's chosen id at ids[2r]
+  int top = 0;               // 0..kMaxBackendLogprobs
+  void* work = nullptr;      // logprob_workspace_bytes(V, rows) bytes
+  RowLogprobs* out = nullptr;
+};
+size_t logprob_workspace_bytes(int V, int rows);
+void launch_logprobs(const LogprobArgs& a, cudaStream_t s);
+
 // ---- Random fills for synthetic models and benchmark caches ------------------
 void fill_random_u32(uint32_t* p, size_t n, uint64_t seed, cudaStream_t s);
 // u32 = (bf16 scale) | (bf16 bias) << 16 with scale ~ scale * (1 +- jitter),

@@ -769,11 +769,151 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
   }
 }
 
+// ---- Log-probabilities under the raw rows (launch_logprobs) -----------------
+// lp_block_kernel (blocks x rows, kSbPerBlock logits a block): the block's
+// max m, sum of exp(x - m) in double, and (top > 0) its top ids as keys;
+// lp_pick_kernel (a block a row): max M over the blocks, the log-sum-exp
+// M + log(sum of sum_b exp(m_b - M)) (M itself when infinite, as
+// engine::log_sum_exp), the chosen id's x - lse and the top ids' in order.
+struct FloatMax {
+  __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
+};
+
+struct LpSpace {
+  uint64_t* cand;  // (row, block) slot at slot * kMaxBackendLogprobs, `top` keys
+  double* sum;
+  float* max;
+};
+
+LpSpace lp_space(void* work, int V, int rows, int* blocks_out = nullptr) {
+  const int blocks = (V + kSbPerBlock - 1) / kSbPerBlock;
+  const size_t slots = size_t(blocks) * size_t(rows);
+  if (blocks_out) *blocks_out = blocks;
+  auto* cand = static_cast<uint64_t*>(work);
+  auto* sum = reinterpret_cast<double*>(cand + slots * kMaxBackendLogprobs);
+  return {cand, sum, reinterpret_cast<float*>(sum + slots)};
+}
+
+__global__ void __launch_bounds__(kSbThreads) lp_block_kernel(const LogprobArgs a, const LpSpace p) {
+  __shared__ float vals[kSbPerBlock];
+  __shared__ SelectSpace sp;
+  using FRed = cub::BlockReduce<float, kSbThreads>;
+  using DRed = cub::BlockReduce<double, kSbThreads>;
+  __shared__ union {
+    typename FRed::TempStorage f;
+    typename DRed::TempStorage d;
+  } tmp;
+  __shared__ float s_max;
+  const int base = blockIdx.x * kSbPerBlock, row = blockIdx.y, tid = threadIdx.x;
+  const float* logits = a.logits + size_t(row) * a.row_stride;
+  float m = -INFINITY;
+  for (int i = tid; i < kSbPerBlock; i += kSbThreads) {
+    const int id = base + i;
+    float v = id < a.V ? logits[id] : -INFINITY;
+    if (v != v) v = -INFINITY;
+    vals[i] = v;
+    m = fmaxf(m, v);
+  }
+  m = FRed(tmp.f).Reduce(m, FloatMax());
+  if (tid == 0) s_max = m;
+  __syncthreads();
+  m = s_max;
+  double sum = 0.0;
+  if (isfinite(m))  // else the merge needs only m (all -inf here, or M infinite)
+    for (int i = tid; i < kSbPerBlock; i += kSbThreads) sum += exp(double(vals[i]) - double(m));
+  sum = DRed(tmp.d).Sum(sum);
+  const size_t slot = size_t(row) * gridDim.x + blockIdx.x;
+  if (tid == 0) {
+    p.sum[slot] = sum;
+    p.max[slot] = m;
+  }
+  if (a.top > 0)
+    block_top_k([&](int i) { return make_key(vals[i], base + i); }, min(kSbPerBlock, a.V - base), a.top,
+                p.cand + slot * kMaxBackendLogprobs, sp);
+}
+
+__global__ void __launch_bounds__(kSbThreads) lp_pick_kernel(const LogprobArgs a, const LpSpace p, int blocks) {
+  __shared__ SelectSpace sp;
+  __shared__ uint64_t sel[kMaxBackendLogprobs];
+  using FRed = cub::BlockReduce<float, kSbThreads>;
+  using DRed = cub::BlockReduce<double, kSbThreads>;
+  __shared__ union {
+    typename FRed::TempStorage f;
+    typename DRed::TempStorage d;
+  } tmp;
+  __shared__ float s_max;
+  __shared__ double s_lse;
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const size_t first = size_t(row) * blocks;
+  float m = -INFINITY;
+  for (int b = tid; b < blocks; b += kSbThreads) m = fmaxf(m, p.max[first + b]);
+  m = FRed(tmp.f).Reduce(m, FloatMax());
+  if (tid == 0) s_max = m;
+  __syncthreads();
+  m = s_max;
+  double sum = 0.0;
+  if (isfinite(m))
+    for (int b = tid; b < blocks; b += kSbThreads) {
+      const float mb = p.max[first + b];
+      if (mb > -INFINITY) sum += p.sum[first + b] * exp(double(mb) - double(m));
+    }
+  sum = DRed(tmp.d).Sum(sum);
+  if (tid == 0) s_lse = isfinite(m) ? double(m) + log(sum) : double(m);
+  __syncthreads();
+  const double lse = s_lse;
+  RowLogprobs& out = a.out[row];
+  const float* logits = a.logits + size_t(row) * a.row_stride;
+  auto lp = [&](float x) { return x == -INFINITY ? -INFINITY : float(double(x) - lse); };
+  if (tid == 0) {
+    const int id = a.ids[2 * row];
+    float x = id >= 0 && id < a.V ? logits[id] : -INFINITY;
+    if (x != x) x = -INFINITY;
+    out.logprob = lp(x);
+  }
+  if (a.top <= 0) {
+    if (tid == 0) out.n = 0;
+    return;
+  }
+  const int top = a.top;
+  block_top_k([&](int i) { return p.cand[(first + i / top) * kMaxBackendLogprobs + i % top]; }, blocks * top, top,
+              sel, sp);
+  if (tid < top) {  // each key's rank, descending; the zeros (a row shorter than top) last
+    const uint64_t key = sel[tid];
+    int r = 0;
+    for (int j = 0; j < top; ++j) r += sel[j] > key || (sel[j] == key && j < tid);
+    if (key != 0ull) {
+      out.ids[r] = key_id(key);
+      out.lp[r] = lp(key_value(key));
+    }
+    const unsigned nz = __ballot_sync(__activemask(), key != 0ull);
+    if (tid == 0) out.n = __popc(nz);
+  }
+}
+
 }  // namespace
 
 size_t sample_workspace_bytes(int V, int kc, int rows) {
   if (kc == 0) return wv_layout(V, rows).bytes;
   return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * size_t(rows) * sizeof(uint64_t);
+}
+
+size_t logprob_workspace_bytes(int V, int rows) {
+  const size_t slots = size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(rows);
+  return slots * (kMaxBackendLogprobs * sizeof(uint64_t) + sizeof(double) + sizeof(float));
+}
+
+void launch_logprobs(const LogprobArgs& a, cudaStream_t s) {
+  if (a.V <= 0 || !a.logits || !a.ids || !a.work || !a.out) fail("launch_logprobs: empty row or null buffers");
+  if (a.top < 0 || a.top > kMaxBackendLogprobs)
+    fail("launch_logprobs: ", a.top, " alternatives (0..", kMaxBackendLogprobs, ")");
+  if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_logprobs: ", a.rows, " rows (1..", kMaxSampleRows, ")");
+  if (a.rows > 1 && a.row_stride < size_t(a.V)) fail("launch_logprobs: rows closer than V logits apart");
+  int blocks = 0;
+  const LpSpace p = lp_space(a.work, a.V, a.rows, &blocks);
+  lp_block_kernel<<<dim3(blocks, a.rows), kSbThreads, 0, s>>>(a, p);
+  check_launch("lp_block_kernel");
+  lp_pick_kernel<<<a.rows, kSbThreads, 0, s>>>(a, p, blocks);
+  check_launch("lp_pick_kernel");
 }
 
 int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
