@@ -319,6 +319,51 @@ TEST(CudaPrefillGemm, Q8MatchesCpu) {
   run_gemm_case(PrefillWeightFormat::Q8, 9, 256, 512, PrefillOut::F32Add, false, 11);
 }
 
+// Split-K (few output tiles, a long K): correct, and the same bits from
+// one run to the next for F32 and F32Add outputs: the partial sums are
+// added in the order of their k ranges (float atomics added them in arrival
+// order, and two prefills of one prompt differed in the last bits).
+TEST(CudaPrefillGemm, SplitKIsCorrectAndTheSameBitsEveryRun) {
+  REQUIRE_GPU();
+  struct Case {
+    PrefillWeightFormat fmt;
+    int T, N, K;
+    PrefillOut out;
+  };
+  const Case cases[] = {
+      {PrefillWeightFormat::Q4, 40, 200, 2368, PrefillOut::F32},
+      {PrefillWeightFormat::Q4, 100, 1976, 4096, PrefillOut::F32Add},
+      {PrefillWeightFormat::Q8, 33, 136, 1088, PrefillOut::F32Add},
+      {PrefillWeightFormat::BF16, 77, 300, 2048, PrefillOut::F32},
+      {PrefillWeightFormat::Q4, 17, 2100, 512, PrefillOut::F32Add},
+  };
+  uint64_t seed = 40;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "fmt " << int(c.fmt) << " T " << c.T << " N " << c.N << " K " << c.K);
+    run_gemm_case(c.fmt, c.T, c.N, c.K, c.out, false, seed++);
+    Rng r(seed++);
+    HostWeight hw = make_weight(r, c.fmt, c.N, c.K);
+    DevWeight dw = upload_weight(hw);
+    ASSERT_GT(prefill_gemm_k_splits(dw.view, c.T, c.out), 1) << "the case does not split: it tests nothing";
+    std::vector<uint16_t> xb;
+    std::vector<float> xf;
+    random_bf16(r, size_t(c.T) * c.K, 1.f, xb, xf);
+    Dev x = upload(xb);
+    std::vector<float> init(size_t(c.T) * c.N);
+    for (auto& v : init) v = c.out == PrefillOut::F32Add ? r.uniform(-1, 1) : NAN;
+    std::vector<float> first;
+    int differ = 0;
+    for (int run = 0; run < 20; ++run) {
+      Dev y = upload(init);
+      prefill_gemm(dw.view, x.as<uint16_t>(), c.T, c.K, y.p, c.N, c.out, nullptr);
+      const std::vector<float> got = download<float>(y, init.size());
+      if (run == 0) first = got;
+      else differ += std::memcmp(got.data(), first.data(), got.size() * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differ, 0) << "runs whose output differs from the first's in some bit";
+  }
+}
+
 TEST(CudaPrefillGemm, SwigluMatchesCpu) {
   REQUIRE_GPU();
   // bf16 at 150 rows and at 1000 x 3200: the TMA kernel with 128- and 256-wide tiles.
@@ -1572,6 +1617,26 @@ BenchWeight bench_weight(PrefillWeightFormat fmt, int rows, int cols, uint64_t s
   w.view.expert_w_bytes = wbytes;
   w.view.expert_sb_words = size_t(rows) * cols / 64;
   return w;
+}
+
+// The generic kernel's split-K shapes (few output tiles): out_proj /
+// o_proj and the shared expert's down at the row counts that split them.
+TEST(CudaPrefillBench, SplitK) {
+  REQUIRE_BENCH();
+  Dev x(size_t(1024) * 4096 * 2);
+  fill_bf16(x, 1, 1.f);
+  Dev y(size_t(1024) * 2048 * 4);
+  struct Shape { int N, K; const char* what; };
+  const Shape shapes[] = {{2048, 4096, "out_proj"}, {2048, 512, "shared expert down"}};
+  std::printf("\n| N x K | what | T | splits | ms F32Add | TFLOP/s |\n|---|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    BenchWeight w = bench_weight(PrefillWeightFormat::Q4, s.N, s.K, 7);
+    for (int T : {24, 64, 100, 200, 512, 1000}) {
+      const double ms = time_ms([&] { prefill_gemm(w.view, x.as<uint16_t>(), T, s.K, y.p, s.N, PrefillOut::F32Add, nullptr); });
+      std::printf("| %d x %d | %s | %d | %d | %.4f | %.1f |\n", s.N, s.K, s.what, T,
+                  prefill_gemm_k_splits(w.view, T, PrefillOut::F32Add), ms, 2.0 * T * s.N * s.K / (ms * 1e-3) / 1e12);
+    }
+  }
 }
 
 TEST(CudaPrefillBench, Gemm) {

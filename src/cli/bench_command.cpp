@@ -955,6 +955,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
     std::vector<double> gen, host;
     std::vector<int> made;  // tokens of each generation (all of N unless constrained)
     bool same_tokens = true;  // the first repeat's, host against backend
+    bool same_fresh = true;   // the first repeat's against a second generator's (a new prefill)
     int generated = 0, cached = 0;
     double first_ttft_ms = 0;
     {
@@ -971,9 +972,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
       }
       // The generator keeps only the state after the prompt (no parked live
       // sequence, no branch point): every repeat, on the host or not, starts
-      // from it, no new prefill, the same first token (the prefill's split-K
-      // sums are not bit-reproducible from one prefill to the next, and a
-      // random model's logits are close enough for that to change tokens).
+      // from it, no new prefill.
       engine::Generator g(*b, constrain, P + tokens);
       g.keep_min_tokens = INT_MAX;
       // One generation: ms per decode step (NaN without steps).
@@ -995,10 +994,12 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
         made.push_back(generated);
         return steps > 0 ? res.decode_seconds * 1e3 / (generated - 1) : std::nan("");
       };
+      std::vector<int> first_ids;
       for (int r = 0; r < s.warmup + s.repeats; ++r) {
         const double h = once(false, r);
         const std::vector<int> host_ids = ids;
         const double d = both ? once(true, r) : h;
+        if (r == 0) first_ids = ids;
         // The same tokens both ways (sampling.h: up to last-bit differences
         // of the sums, which a seeded bench run does not meet in practice).
         if (both && r == 0 && ids != host_ids) {
@@ -1013,6 +1014,23 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
         host.push_back(h);
         gen.push_back(d);
       }
+      // A second generator prefills the prompt anew: the prefill's sums are
+      // added in a fixed order, so its first token, and the rest, are the
+      // first generator's.
+      engine::Generator g2(*b, constrain, P + tokens);
+      g2.keep_min_tokens = INT_MAX;
+      g2.backend_sampling = both;
+      std::vector<int> fresh;
+      g2.generate(gp, [&](engine::GenerationEvent&& e) {
+        if (e.token) fresh.push_back(e.token->id);
+        return true;
+      });
+      if (fresh != first_ids) {
+        std::printf("note: a second prefill of the prompt gave other tokens (%zu / %zu, first %d / %d)\n",
+                    fresh.size(), first_ids.size(), fresh.empty() ? -1 : fresh[0],
+                    first_ids.empty() ? -1 : first_ids[0]);
+        same_fresh = false;
+      }
     }
     const std::vector<double> loop = steps > 0 ? backend_decode_ms(*b, s, P, steps, rng) : std::vector<double>{};
     // NaN (null in the JSON) without decode steps.
@@ -1026,6 +1044,7 @@ nlohmann::ordered_json bench_generate(std::unique_ptr<ModelWeights> w, const Set
                     {"generated_tokens", generated},
                     {"generated_tokens_each", made},
                     {"same_tokens", same_tokens},
+                    {"same_tokens_after_a_new_prefill", same_fresh},
                     {"cached_tokens", cached},
                     {"first_ttft_ms", first_ttft_ms},
                     {"decode_tok_s", 1000.0 / gen_ms},

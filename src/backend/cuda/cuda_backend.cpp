@@ -1703,6 +1703,7 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   prefill_set_moe_grouped(m.opt.moe_grouped);
   prefill_set_pdl(m.opt.short_pdl);
   m.setup_prefill();
+  if (m.prefill_ok) prefill_reserve_split_space();  // before any graph capture
   if (const char* v = std::getenv("LILY_CUDA_PREFILL_MARKS")) m.marks.on = std::string(v) == "1";
   if (const char* v = std::getenv("LILY_CUDA_PROFILE_RUN")) m.marks.profile_rows = std::atoi(v);
   weights.reset();  // the device holds everything now

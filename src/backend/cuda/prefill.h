@@ -71,6 +71,15 @@ struct PrefillScratch {
 // warp-specialized kernel.
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
                   size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch = {});
+// How many blocks share each output tile's K in prefill_gemm(w, T rows, out,
+// scratch): 1 where it does not split (skinny, TMA-fed or BF16 outputs, or
+// enough tiles). Split sums are added in a fixed order: a GEMM's output is
+// the same bits from one run to the next. For tests.
+int prefill_gemm_k_splits(const PrefillWeight& w, int T, PrefillOut out, const PrefillScratch& scratch = {});
+// Allocates the split-K workspace (4 x multiprocessors x 128 x 128 floats,
+// ~35 MB on an H100) now: a backend calls it at setup, so that a split GEMM
+// inside a graph capture finds it (else the first split allocates it).
+void prefill_reserve_split_space();
 // Projections of the same x whose outputs are adjacent column ranges of y
 // (part i starts at the sum of the rows of the parts before it), e.g. a
 // DeltaNet layer's qkv, z, b and a: when every part is quantized and the

@@ -129,6 +129,8 @@ struct GemmParams {
   size_t ldy;
   int out_kind;      // PrefillOut
   int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
+  float* split_part;  // split-K: the blocks' partial sums (SplitSpace)
+  int* split_count;   // split-K: blocks arrived per output tile (0 between GEMMs)
 };
 
 constexpr int kBN = 128;  // weight rows per block tile
@@ -182,6 +184,16 @@ __device__ __forceinline__ void dequant_tile(const uint8_t* stage, uint16_t* Wd,
     for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(row + (((h * 4 + i) ^ (r & 7)) << 3)) = o[i];
   }
 }
+
+// Split-K in a fixed order: each block of an output tile (blockIdx.z over
+// its k range) stores its partial sums to its own slot of a workspace; the
+// last of the tile's blocks to arrive (a counter per tile, put back to 0 by
+// that block) adds the slots in z order and stores y as an unsplit block
+// does, so y is the same bits from one run to the next (float atomics added
+// the partials in arrival order: two prefills of one prompt then differed
+// in the last bits). No block waits for another. One split GEMM at a time
+// per workspace (the backend's stream runs them in order).
+constexpr int kMaxSplitTiles = 4096;
 
 template <int F, int BM, bool SWIGLU, bool GROUPED>
 __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
@@ -240,8 +252,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   };
   __syncthreads();
 
-  // Split-K: this block's k-tiles [kt0, kt0 + KT); partial sums are added
-  // atomically (the launcher zeroes y first for PrefillOut::F32).
+  // Split-K: this block's k-tiles [kt0, kt0 + KT); the partial sums are
+  // added in the order of blockIdx.z by the tile's last block.
   const int kt0 = blockIdx.z * p.kt_per_split;
   const int KT = min(p.K / kBK - kt0, p.kt_per_split);
   const bool split = gridDim.z > 1;
@@ -429,12 +441,36 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   }
   cp_async_wait<0>();
 
+  if (split) {
+    constexpr int kRegs = MT * 16;  // the accumulators (the wgmma path's 64 too)
+    float (&flat)[kRegs] = reinterpret_cast<float (&)[kRegs]>(acc);
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* slots = p.split_part + size_t(tile) * gridDim.z * (kRegs * kThreads);
+    float* mine = slots + size_t(blockIdx.z) * (kRegs * kThreads);
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) __stcg(mine + i * kThreads + tid, flat[i]);
+    __threadfence();
+    __syncthreads();
+    __shared__ int s_last;
+    if (tid == 0) {
+      s_last = atomicAdd(p.split_count + tile, 1) == int(gridDim.z) - 1;
+      if (s_last) p.split_count[tile] = 0;  // for the next split GEMM
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) flat[i] = __ldcg(slots + i * kThreads + tid);
+    for (int z = 1; z < int(gridDim.z); ++z) {
+      const float* part = slots + size_t(z) * (kRegs * kThreads);
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) flat[i] += __ldcg(part + i * kThreads + tid);
+    }
+  }
   // Epilogue straight from the accumulators.
   auto store = [&](int r, int col, float v) {
     const size_t o = size_t(m0 + r) * p.ldy + col;
-    if (split) {
-      atomicAdd(static_cast<float*>(p.y) + o, v);
-    } else if (p.out_kind == int(PrefillOut::F32)) {
+    if (p.out_kind == int(PrefillOut::F32)) {
       static_cast<float*>(p.y)[o] = v;
     } else if (p.out_kind == int(PrefillOut::F32Add)) {
       static_cast<float*>(p.y)[o] += v;
@@ -446,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     static_cast<uint16_t*>(p.y)[size_t(m0 + r) * p.ldy + col] = f32_to_bf16_bits(p_silu(g) * u);
   };
   // Two adjacent columns per store where the output allows it (even row
-  // stride, 8-byte aligned base, no split-K atomics).
+  // stride, 8-byte aligned base).
   auto store_pair = [&](int r, int col, float v0, float v1) {
     const size_t o = size_t(m0 + r) * p.ldy + col;
     if (p.out_kind == int(PrefillOut::BF16)) {
@@ -462,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     }
   };
   if constexpr (kWG) {
-    const bool paired = !split && p.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
+    const bool paired = p.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 64 * wg + 16 * (warp & 3) + (lane >> 2) + half * 8;
@@ -1702,6 +1738,61 @@ int prefill_detail::sm_count() {
   return n;
 }
 
+namespace {
+
+// The split-K workspace, process-wide (one split GEMM at a time): a GEMM
+// splits only with fewer tiles than 2 blocks per multiprocessor, into at
+// most ceil(that / tiles) parts, so at most 4 x multiprocessors blocks of
+// up to 128 x kBN sums each; allocated whole on first use (or by
+// prefill_reserve_split_space, outside any graph capture) and never moved.
+struct SplitSpace {
+  float* part = nullptr;
+  int* count = nullptr;
+};
+size_t split_space_floats() { return size_t(4) * sm_count() * 128 * kBN; }
+const SplitSpace& split_space(cudaStream_t stream) {
+  static SplitSpace sp;
+  if (!sp.part) {
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream, &cap), "cudaStreamIsCapturing");
+    if (cap != cudaStreamCaptureStatusNone)
+      fail("prefill_gemm: the split-K workspace must be reserved before a graph capture (prefill_reserve_split_space)");
+    check(cudaMalloc(&sp.count, kMaxSplitTiles * sizeof(int)), "cudaMalloc(split-K counters)");
+    check(cudaMemset(sp.count, 0, kMaxSplitTiles * sizeof(int)), "cudaMemset(split-K counters)");
+    check(cudaMalloc(&sp.part, split_space_floats() * sizeof(float)), "cudaMalloc(split-K workspace)");
+  }
+  return sp;
+}
+
+// The generic kernel's split of K for T rows of w: few output tiles leave
+// most multiprocessors idle, so K is split for about two blocks per
+// multiprocessor, each streaming at least 4 k-tiles (F32 outputs only).
+// Returns the k-tiles per split, or 0 for none.
+int gemm_k_split(const PrefillWeight& w, int T, PrefillOut out) {
+  const int bm = T <= 64 ? 64 : 128;
+  const int KT = w.cols / kBK;
+  const int blocks = ((T + bm - 1) / bm) * ((w.rows + kBN - 1) / kBN), target = 2 * sm_count();
+  if (out == PrefillOut::BF16 || blocks >= target || KT < 8 || blocks > kMaxSplitTiles) return 0;
+  const int per = std::max(4, (KT * blocks + target - 1) / target);
+  return (KT + per - 1) / per > 1 ? per : 0;
+}
+
+}  // namespace
+
+void prefill_reserve_split_space() { split_space(nullptr); }
+
+int prefill_gemm_k_splits(const PrefillWeight& w, int T, PrefillOut out, const PrefillScratch& scratch) {
+  if (T <= 0 || skinny_fits(w, T)) return 1;
+  if (expand_pays(w, T, scratch, 1)) {
+    PrefillWeight e = w;
+    e.fmt = PrefillWeightFormat::BF16;
+    return prefill_gemm_k_splits(e, T, out, {});
+  }
+  if (tma_gemm_fits(w, T)) return 1;
+  const int per = gemm_k_split(w, T, out);
+  return per ? (w.cols / kBK + per - 1) / per : 1;
+}
+
 void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, void* y,
                   size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
   validate_weight(w, "prefill_gemm");
@@ -1723,19 +1814,15 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   const int bm = T <= 64 ? 64 : 128;
   dim3 grid((T + bm - 1) / bm, (w.rows + kBN - 1) / kBN);
   if (grid.y > 65535) fail("prefill_gemm: too many output rows (", w.rows, ")");
-  // Few rows leave most multiprocessors idle: split K so that about two
-  // blocks per multiprocessor run, each streaming at least 4 k-tiles.
-  const int KT = w.cols / kBK;
-  const int blocks = int(grid.x * grid.y), target = 2 * sm_count();
-  if (out != PrefillOut::BF16 && blocks < target && KT >= 8) {
-    int per = std::max(4, (KT * blocks + target - 1) / target);
-    const int splits = (KT + per - 1) / per;
-    if (splits > 1) {
-      p.kt_per_split = per;
-      grid.z = splits;
-      if (out == PrefillOut::F32)
-        check(cudaMemset2DAsync(y, ldy * 4, 0, size_t(w.rows) * 4, T, stream), "cudaMemset2DAsync(prefill_gemm split-K output)");
-    }
+  if (const int per = gemm_k_split(w, T, out)) {  // partial sums added in z order (g_split_turn)
+    p.kt_per_split = per;
+    grid.z = (w.cols / kBK + per - 1) / per;
+    const size_t need = size_t(grid.x) * grid.y * grid.z * bm * kBN;
+    if (need > split_space_floats() || grid.x * grid.y > unsigned(kMaxSplitTiles))
+      fail("internal: prefill_gemm split of ", grid.x * grid.y, " tiles into ", grid.z, " exceeds its workspace");
+    const SplitSpace& sp = split_space(stream);
+    p.split_part = sp.part;
+    p.split_count = sp.count;
   }
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
 }
