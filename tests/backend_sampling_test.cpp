@@ -411,9 +411,7 @@ TEST(BackendSampling, GrammarMasksAppliedByTheBackendGiveTheHostPathsTokens) {
   // and the first merges; tests/cuda_sample_test.cpp runs the same on the
   // GPU), the byte 0xFF (in no UTF-8 text) as its stop token.
   SamplingBackend small(test::fixture_backend("qwen3_5_moe"));
-  std::optional<int> stop;
-  for (int id = 0; id < small.config().vocab_size && !stop; ++id)
-    if (tok.token_bytes(id) == "\xff") stop = id;
+  const std::optional<int> stop = test::byte_ff_token(tok, small.config().vocab_size);
   ASSERT_TRUE(stop.has_value());
   for (float temperature : {0.f, 1.f}) {
     engine::GenerationParams p;
@@ -521,9 +519,7 @@ TEST(BackendSampling, DraftRunsSampledByTheBackendGiveTheHostPathsTokens) {
 TEST(BackendSampling, LogprobsGivenByTheBackendAreTheHostPaths) {
   SamplingBackend b(test::fixture_backend("qwen3_5_moe"));
   const text::Tokenizer& tok = test::fixture_tokenizer();
-  std::optional<int> stop;
-  for (int id = 0; id < b.config().vocab_size && !stop; ++id)
-    if (tok.token_bytes(id) == "\xff") stop = id;
+  const std::optional<int> stop = test::byte_ff_token(tok, b.config().vocab_size);
   ASSERT_TRUE(stop.has_value());
   const int V = b.config().vocab_size;
   int drafted = 0, backend_calls = 0;

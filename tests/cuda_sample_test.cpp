@@ -272,9 +272,7 @@ TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
   o.sample_whole = true;
   auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
   const text::Tokenizer& tok = test::fixture_tokenizer();
-  std::optional<int> stop;
-  for (int id = 0; id < b->config().vocab_size && !stop; ++id)
-    if (tok.token_bytes(id) == "\xff") stop = id;
+  const std::optional<int> stop = test::byte_ff_token(tok, b->config().vocab_size);
   ASSERT_TRUE(stop.has_value());
   auto schema = text::JsonGrammar::from_schema(nlohmann::ordered_json::parse(R"({"type": "object",
     "properties": {"ok": {"type": "boolean"}, "name": {"type": "string"}, "n": {"type": "number"},
@@ -474,9 +472,7 @@ TEST(CudaSample, LogprobsWithTheDevicesChoiceMatchTheHostPath) {
   o.sample_whole = true;
   auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
   const text::Tokenizer& tok = test::fixture_tokenizer();
-  std::optional<int> stop;
-  for (int id = 0; id < b->config().vocab_size && !stop; ++id)
-    if (tok.token_bytes(id) == "\xff") stop = id;
+  const std::optional<int> stop = test::byte_ff_token(tok, b->config().vocab_size);
   ASSERT_TRUE(stop.has_value());
   const int V = b->config().vocab_size;
   int drafted = 0, compared = 0;

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -31,6 +32,15 @@ inline Backend& fixture_backend(const std::string& fixture) {
     b = make_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;
+}
+
+// The id below `vocab` whose token is the single byte 0xFF (in no UTF-8
+// text): the stop token of the tests that run the tokenizer's first 1,024
+// tokens as a model's vocabulary.
+inline std::optional<int> byte_ff_token(const text::Tokenizer& tok, int vocab) {
+  for (int id = 0; id < vocab; ++id)
+    if (tok.token_bytes(id) == "\xff") return id;
+  return std::nullopt;
 }
 
 // A prompt that repeats a random 12-token part three times, the part's

@@ -778,6 +778,22 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
 struct FloatMax {
   __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
 };
+// The block's max of m, to every thread; its sum of v, to thread 0
+// (kSbThreads threads, every one calls them).
+__device__ float lp_block_max(float m) {
+  using Red = cub::BlockReduce<float, kSbThreads>;
+  __shared__ typename Red::TempStorage tmp;
+  __shared__ float s_max;
+  m = Red(tmp).Reduce(m, FloatMax());
+  if (threadIdx.x == 0) s_max = m;
+  __syncthreads();
+  return s_max;
+}
+__device__ double lp_block_sum(double v) {
+  using Red = cub::BlockReduce<double, kSbThreads>;
+  __shared__ typename Red::TempStorage tmp;
+  return Red(tmp).Sum(v);
+}
 
 struct LpSpace {
   uint64_t* cand;  // (row, block) slot at slot * kMaxBackendLogprobs, `top` keys
@@ -797,13 +813,6 @@ LpSpace lp_space(void* work, int V, int rows, int* blocks_out = nullptr) {
 __global__ void __launch_bounds__(kSbThreads) lp_block_kernel(const LogprobArgs a, const LpSpace p) {
   __shared__ float vals[kSbPerBlock];
   __shared__ SelectSpace sp;
-  using FRed = cub::BlockReduce<float, kSbThreads>;
-  using DRed = cub::BlockReduce<double, kSbThreads>;
-  __shared__ union {
-    typename FRed::TempStorage f;
-    typename DRed::TempStorage d;
-  } tmp;
-  __shared__ float s_max;
   const int base = blockIdx.x * kSbPerBlock, row = blockIdx.y, tid = threadIdx.x;
   const float* logits = a.logits + size_t(row) * a.row_stride;
   float m = -INFINITY;
@@ -814,14 +823,11 @@ __global__ void __launch_bounds__(kSbThreads) lp_block_kernel(const LogprobArgs 
     vals[i] = v;
     m = fmaxf(m, v);
   }
-  m = FRed(tmp.f).Reduce(m, FloatMax());
-  if (tid == 0) s_max = m;
-  __syncthreads();
-  m = s_max;
+  m = lp_block_max(m);
   double sum = 0.0;
   if (isfinite(m))  // else the merge needs only m (all -inf here, or M infinite)
     for (int i = tid; i < kSbPerBlock; i += kSbThreads) sum += exp(double(vals[i]) - double(m));
-  sum = DRed(tmp.d).Sum(sum);
+  sum = lp_block_sum(sum);
   const size_t slot = size_t(row) * gridDim.x + blockIdx.x;
   if (tid == 0) {
     p.sum[slot] = sum;
@@ -835,29 +841,19 @@ __global__ void __launch_bounds__(kSbThreads) lp_block_kernel(const LogprobArgs 
 __global__ void __launch_bounds__(kSbThreads) lp_pick_kernel(const LogprobArgs a, const LpSpace p, int blocks) {
   __shared__ SelectSpace sp;
   __shared__ uint64_t sel[kMaxBackendLogprobs];
-  using FRed = cub::BlockReduce<float, kSbThreads>;
-  using DRed = cub::BlockReduce<double, kSbThreads>;
-  __shared__ union {
-    typename FRed::TempStorage f;
-    typename DRed::TempStorage d;
-  } tmp;
-  __shared__ float s_max;
   __shared__ double s_lse;
   const int row = blockIdx.x, tid = threadIdx.x;
   const size_t first = size_t(row) * blocks;
   float m = -INFINITY;
   for (int b = tid; b < blocks; b += kSbThreads) m = fmaxf(m, p.max[first + b]);
-  m = FRed(tmp.f).Reduce(m, FloatMax());
-  if (tid == 0) s_max = m;
-  __syncthreads();
-  m = s_max;
+  m = lp_block_max(m);
   double sum = 0.0;
   if (isfinite(m))
     for (int b = tid; b < blocks; b += kSbThreads) {
       const float mb = p.max[first + b];
       if (mb > -INFINITY) sum += p.sum[first + b] * exp(double(mb) - double(m));
     }
-  sum = DRed(tmp.d).Sum(sum);
+  sum = lp_block_sum(sum);
   if (tid == 0) s_lse = isfinite(m) ? double(m) + log(sum) : double(m);
   __syncthreads();
   const double lse = s_lse;
