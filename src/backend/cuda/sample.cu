@@ -301,6 +301,10 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
 //   wv_pick   (a block a row): the last crossing id top_p keeps and the draw,
 //             both by a weighted radix select over the list (most valuable
 //             digit first), or by a scan of one block's ids in id order.
+// Without top_p and min_p (temperature alone) every id is kept: there is no
+// crossing bucket and a block's kept weight is its total, so wv_cross and
+// wv_split are left out (wv_weigh writes the row's state, wv_pick takes the
+// blocks' totals): three launches.
 // The sums run in other orders than the CPU's (blocks, then the blocks'
 // totals): the same draw picks the same token up to last-bit differences of
 // the double sums and of the two exp implementations.
@@ -431,12 +435,19 @@ __global__ void __launch_bounds__(kWvThreads) wv_max_kernel(const SampleArgs a, 
   if (tid == 0) p.bkey[size_t(row) * gridDim.x + blockIdx.x] = best;
 }
 
+// Every id kept (no top_p, no min_p): wv_cross and wv_split are not run.
+__host__ __device__ __forceinline__ bool wv_keeps_all(const SampleArgs& a) {
+  return !(a.top_p < 1.f) && !(a.min_p > 0.f);
+}
+
 __global__ void __launch_bounds__(kWvThreads) wv_weigh_kernel(const SampleArgs a, const WvSpace p) {
   using Reduce = cub::BlockReduce<double, kWvThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ double hist[kWvBuckets];
   const int tid = threadIdx.x, nb = gridDim.x, base = blockIdx.x * kWvPerBlock, row = blockIdx.y;
-  const float top = key_value(wv_row_best<kWvThreads>(p.bkey + size_t(row) * nb, nb));
+  const uint64_t best = wv_row_best<kWvThreads>(p.bkey + size_t(row) * nb, nb);
+  const float top = key_value(best);
+  if (wv_keeps_all(a) && blockIdx.x == 0 && tid == 0) p.rows[row] = {best, kWvBuckets, 0, 0.0, 0.0};  // wv_cross's
   const double inv_t = 1.0 / double(a.temperature);
   if (!(top > -INFINITY) || isinf(top) || !isfinite(inv_t)) return;  // wv_pick takes the best id
   const bool buckets = a.top_p < 1.f;
@@ -646,6 +657,9 @@ __device__ uint64_t wv_select(const WvItem* items, int n, uint64_t lo, float min
 }
 
 __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a, const WvSpace p, int nb) {
+  // Each block's kept weight outside the crossing bucket: wv_split's, or
+  // its total where every id is kept (the same sum, in the same order).
+  const double* const kept_by_block = wv_keeps_all(a) ? p.btot : p.bkept;
   using Reduce = cub::BlockReduce<double, kWpThreads>;
   using KeyReduce = cub::BlockReduce<uint64_t, kWpThreads>;
   using Scan = cub::BlockScan<double, kWpThreads>;
@@ -678,7 +692,7 @@ __global__ void __launch_bounds__(kWpThreads) wv_pick_kernel(const SampleArgs a,
   c = Reduce(tmp.reduce).Sum(c);
   if (tid < 32) {  // one warp: the kept mass outside the crossing bucket, and where the draw falls
     const int lane = tid, per = (nb + 31) / 32, b0 = lane * per, b1 = min(nb, b0 + per);
-    const double* bkept = p.bkept + size_t(row) * nb;
+    const double* bkept = kept_by_block + size_t(row) * nb;
     double lower = 0.0;  // lane-strided, then a fixed tree: the same sum every run
     for (int k = lane; k < nb; k += 32) lower += bkept[k];
     for (int o = 16; o > 0; o >>= 1) lower += __shfl_xor_sync(0xffffffffu, lower, o);
@@ -940,10 +954,12 @@ int launch_sample(const SampleArgs& a, cudaStream_t s, cudaEvent_t* marks) {
     launched("wv_max_kernel");
     wv_weigh_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
     launched("wv_weigh_kernel");
-    wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, wblocks);
-    launched("wv_cross_kernel");
-    wv_split_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
-    launched("wv_split_kernel");
+    if (!wv_keeps_all(a)) {
+      wv_cross_kernel<<<a.rows, kWvBuckets, 0, s>>>(a, p, wblocks);
+      launched("wv_cross_kernel");
+      wv_split_kernel<<<dim3(wblocks, a.rows), kWvThreads, 0, s>>>(a, p);
+      launched("wv_split_kernel");
+    }
     wv_pick_kernel<<<a.rows, kWpThreads, 0, s>>>(a, p, wblocks);
     launched("wv_pick_kernel");
     return made;
