@@ -1652,23 +1652,7 @@ struct CudaBackend::Impl {
     a.out = s_out.as<int>();
     const int launches = cuda::launch_sample(a, stream, marks);
     auto* lp = reinterpret_cast<cuda::RowLogprobs*>(s_pinned.as<char>() + lp_at);
-    if (logprobs) {  // under the raw rows, for the ids just chosen
-      const size_t lw = cuda::logprob_workspace_bytes(V, R);
-      if (s_lp_work.bytes() < lw) s_lp_work.alloc(lw);
-      if (s_lp_out.bytes() < sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows)
-        s_lp_out.alloc(sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows);
-      cuda::LogprobArgs la;
-      la.logits = rows;
-      la.V = V;
-      la.rows = R;
-      la.row_stride = static_cast<size_t>(V);
-      la.ids = s_out.as<int>();
-      la.top = s0.logprobs;
-      la.work = s_lp_work.get();
-      la.out = s_lp_out.as<cuda::RowLogprobs>();
-      cuda::launch_logprobs(la, stream);
-      LILY_CUDA(cudaMemcpyAsync(lp, s_lp_out.get(), sizeof(cuda::RowLogprobs) * R, cudaMemcpyDeviceToHost, stream));
-    }
+    if (logprobs) queue_logprobs(rows, R, s0.logprobs, s_out.as<int>(), nullptr, lp);  // for the ids just chosen
     int* res = reinterpret_cast<int*>(s_pinned.as<char>() + res_at);
     LILY_CUDA(cudaMemcpyAsync(res, s_out.get(), 2 * sizeof(int) * R, cudaMemcpyDeviceToHost, stream));
     LILY_CUDA(cudaStreamSynchronize(stream));
@@ -1676,13 +1660,40 @@ struct CudaBackend::Impl {
       if (res[2 * r + 1] & 2) fail("Sampler: no token has a finite logit");
       ids[r] = res[2 * r];
       drew[r] = res[2 * r + 1] & 1;
-      if (!logprobs) continue;
-      TokenLogprobs& o = *s[r].logprobs_out;
-      o.logprob = lp[r].logprob;
-      o.top.clear();
-      for (int i = 0; i < std::min(lp[r].n, s0.logprobs); ++i) o.top.emplace_back(lp[r].ids[i], lp[r].lp[i]);
+      if (logprobs) give_logprobs(lp[r], s[r]);
     }
     return launches;
+  }
+
+  // Queues the log-probabilities of R rows of logits (row r at r * V) for
+  // the ids the sampling kernels chose (ids, SampleArgs::out's layout) or,
+  // for one row, the lm_head's argmax (key), and their copy to `host`
+  // (pinned; valid once the stream is synchronised).
+  void queue_logprobs(const float* rows, int R, int top, const int* ids, const unsigned long long* key,
+                      cuda::RowLogprobs* host) {
+    const int V = c.vocab_size;
+    const size_t lw = cuda::logprob_workspace_bytes(V, R);
+    if (s_lp_work.bytes() < lw) s_lp_work.alloc(lw);
+    if (s_lp_out.bytes() < sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows)
+      s_lp_out.alloc(sizeof(cuda::RowLogprobs) * cuda::kMaxSampleRows);
+    cuda::LogprobArgs la;
+    la.logits = rows;
+    la.V = V;
+    la.rows = R;
+    la.row_stride = static_cast<size_t>(V);
+    la.ids = ids;
+    la.argmax_key = key;
+    la.top = top;
+    la.work = s_lp_work.get();
+    la.out = s_lp_out.as<cuda::RowLogprobs>();
+    cuda::launch_logprobs(la, stream);
+    LILY_CUDA(cudaMemcpyAsync(host, s_lp_out.get(), sizeof(cuda::RowLogprobs) * R, cudaMemcpyDeviceToHost, stream));
+  }
+  static void give_logprobs(const cuda::RowLogprobs& lp, const TokenSampling& s) {
+    TokenLogprobs& o = *s.logprobs_out;
+    o.logprob = lp.logprob;
+    o.top.clear();
+    for (int i = 0; i < std::min(lp.n, s.logprobs); ++i) o.top.emplace_back(lp.ids[i], lp.lp[i]);
   }
 };
 
@@ -1782,18 +1793,22 @@ int CudaBackend::forward_sample(SequenceCache& base, int token, const TokenSampl
   // The mask the caller computes while the step runs.
   std::vector<TokenSampling> filled;
   const TokenSampling& r = with_allow(std::span<const TokenSampling>(&s, 1), filled).front();
-  if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty() && r.logprobs < 0) {
+  if (r.temperature == 0.f && r.adjust.empty() && r.allow.empty()) {
     // Plain greedy: the lm_head's own argmax (DecodeCtrl::argmax_key, the
-    // same order: NaN never taken, lower id on ties), 8 bytes back. Its
-    // order tells -0 from +0, the Sampler's does not, and a row with no
-    // finite logit is the Sampler's error: a best logit of zero or -inf
-    // (or none) goes through the sampling kernels instead.
-    m.s_pinned.ensure(16);
+    // same order: NaN never taken, lower id on ties), 8 bytes back (and
+    // the logprobs for it). Its order tells -0 from +0, the Sampler's does
+    // not, and a row with no finite logit is the Sampler's error: a best
+    // logit of zero or -inf (or none) goes through the sampling kernels
+    // instead.
+    m.s_pinned.ensure(16 + sizeof(cuda::RowLogprobs));
     auto* key = m.s_pinned.as<unsigned long long>();
+    auto* lp = reinterpret_cast<cuda::RowLogprobs*>(m.s_pinned.as<char>() + 16);
+    if (r.logprobs >= 0) m.queue_logprobs(m.logits.as<float>(), 1, r.logprobs, nullptr, &ctrl->argmax_key, lp);
     LILY_CUDA(cudaMemcpyAsync(key, &ctrl->argmax_key, sizeof *key, cudaMemcpyDeviceToHost, m.stream));
     LILY_CUDA(cudaStreamSynchronize(m.stream));
     const uint32_t hi = static_cast<uint32_t>(*key >> 32);
     if (*key != 0 && hi != 0x80000000u && hi != 0x7fffffffu && hi != 0x007fffffu) {
+      if (r.logprobs >= 0) m.give_logprobs(*lp, r);
       cache.advance(1);
       drew = false;
       return static_cast<int>(0xffffffffu - static_cast<uint32_t>(*key));

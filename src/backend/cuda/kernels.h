@@ -468,6 +468,9 @@ struct LogprobArgs {
   int rows = 1;  // 1..kMaxSampleRows
   size_t row_stride = 0;
   const int* ids = nullptr;  // row r's chosen id at ids[2r]
+  // Or (one row): the id from the lm_head's argmax key, the complement of
+  // its low 32 bits (DecodeCtrl::argmax_key).
+  const unsigned long long* argmax_key = nullptr;
   int top = 0;               // 0..kMaxBackendLogprobs
   void* work = nullptr;      // logprob_workspace_bytes(V, rows) bytes
   RowLogprobs* out = nullptr;

@@ -875,7 +875,7 @@ __global__ void __launch_bounds__(kSbThreads) lp_pick_kernel(const LogprobArgs a
   const float* logits = a.logits + size_t(row) * a.row_stride;
   auto lp = [&](float x) { return x == -INFINITY ? -INFINITY : float(double(x) - lse); };
   if (tid == 0) {
-    const int id = a.ids[2 * row];
+    const int id = a.argmax_key ? int(0xffffffffu - uint32_t(*a.argmax_key)) : a.ids[2 * row];
     float x = id >= 0 && id < a.V ? logits[id] : -INFINITY;
     if (x != x) x = -INFINITY;
     out.logprob = lp(x);
@@ -913,7 +913,9 @@ size_t logprob_workspace_bytes(int V, int rows) {
 }
 
 void launch_logprobs(const LogprobArgs& a, cudaStream_t s) {
-  if (a.V <= 0 || !a.logits || !a.ids || !a.work || !a.out) fail("launch_logprobs: empty row or null buffers");
+  if (a.V <= 0 || !a.logits || !(a.ids || a.argmax_key) || !a.work || !a.out)
+    fail("launch_logprobs: empty row or null buffers");
+  if (a.argmax_key && a.rows != 1) fail("launch_logprobs: the argmax key gives one row's id");
   if (a.top < 0 || a.top > kMaxBackendLogprobs)
     fail("launch_logprobs: ", a.top, " alternatives (0..", kMaxBackendLogprobs, ")");
   if (a.rows < 1 || a.rows > kMaxSampleRows) fail("launch_logprobs: ", a.rows, " rows (1..", kMaxSampleRows, ")");
