@@ -447,8 +447,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     const int tile = blockIdx.y * gridDim.x + blockIdx.x;
     float* slots = p.split_part + size_t(tile) * gridDim.z * (kRegs * kThreads);
     float* mine = slots + size_t(blockIdx.z) * (kRegs * kThreads);
+    // Accumulator i's output row (the epilogue's mapping): only rows below
+    // rows_valid go through the slots (a short tile moves only its rows).
+    const int row0 = kWG ? 64 * wg + 16 * (warp & 3) + (lane >> 2) : wm * WM + (lane >> 2);
+    auto valid = [&](int i) { return row0 + (kWG ? 0 : (i >> 4) * 16) + 8 * ((i >> 1) & 1) < rows_valid; };
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) __stcg(mine + i * kThreads + tid, flat[i]);
+    for (int i = 0; i < kRegs; ++i)
+      if (valid(i)) __stcg(mine + i * kThreads + tid, flat[i]);
     __threadfence();
     __syncthreads();
     __shared__ int s_last;
@@ -460,11 +465,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     if (!s_last) return;
     __threadfence();
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) flat[i] = __ldcg(slots + i * kThreads + tid);
+    for (int i = 0; i < kRegs; ++i)
+      if (valid(i)) flat[i] = __ldcg(slots + i * kThreads + tid);
     for (int z = 1; z < int(gridDim.z); ++z) {
       const float* part = slots + size_t(z) * (kRegs * kThreads);
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) flat[i] += __ldcg(part + i * kThreads + tid);
+      for (int i = 0; i < kRegs; ++i)
+        if (valid(i)) flat[i] += __ldcg(part + i * kThreads + tid);
     }
   }
   // Epilogue straight from the accumulators.
