@@ -595,10 +595,10 @@ GenerationResult Generator::run(const GenerationParams& params, Sampler& sampler
     if (id_lp) {  // the backend's, with its choice
       info.logprob = id_lp->logprob;
       info.top = id_lp->top;
-    } else if (params.top_logprobs >= 0) {
-      info.logprob = logprob_of(logits, id);
-      if (params.top_logprobs > 0)
-        info.top = top_logprobs(logits, static_cast<size_t>(params.top_logprobs));
+    } else if (params.top_logprobs >= 0) {  // from the row (one log-sum-exp for both)
+      TokenLogprobs lp = token_logprobs(logits, id, static_cast<size_t>(params.top_logprobs));
+      info.logprob = lp.logprob;
+      info.top = std::move(lp.top);
     }
     ev.token = std::move(info);
 

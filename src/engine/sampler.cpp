@@ -477,26 +477,44 @@ double log_sum_exp(std::span<const float> logits) {
   return max_logit + std::log(sum);
 }
 
-float logprob_of(std::span<const float> logits, int id) {
+namespace {
+
+float logprob_under(float logit, double lse) {
+  const float x = key(logit);
+  return x == kNegInf ? kNegInf : static_cast<float>(static_cast<double>(x) - lse);
+}
+
+std::vector<std::pair<int, float>> top_under(std::span<const float> logits, size_t n, double lse) {
+  std::vector<std::pair<int, float>> out;
+  if (n == 0 || logits.empty()) return out;
+  std::vector<int> ids;
+  top_n(logits.size(), n, [&](int id) { return key(logits[id]); }, ids);
+  for (int id : ids) out.emplace_back(id, logprob_under(logits[id], lse));
+  return out;
+}
+
+void check_id(std::span<const float> logits, int id) {
   if (id < 0 || static_cast<size_t>(id) >= logits.size())
     fail("logprob_of: token id ", id, " is outside the vocabulary of ", logits.size());
-  const float x = key(logits[id]);
-  if (x == kNegInf) return kNegInf;
-  return static_cast<float>(static_cast<double>(x) - log_sum_exp(logits));
+}
+
+}  // namespace
+
+float logprob_of(std::span<const float> logits, int id) {
+  check_id(logits, id);
+  if (key(logits[id]) == kNegInf) return kNegInf;
+  return logprob_under(logits[id], log_sum_exp(logits));
 }
 
 std::vector<std::pair<int, float>> top_logprobs(std::span<const float> logits, size_t n) {
-  std::vector<std::pair<int, float>> out;
-  if (n == 0 || logits.empty()) return out;
+  if (n == 0 || logits.empty()) return {};
+  return top_under(logits, n, log_sum_exp(logits));
+}
+
+TokenLogprobs token_logprobs(std::span<const float> logits, int id, size_t n) {
+  check_id(logits, id);
   const double lse = log_sum_exp(logits);
-  std::vector<int> ids;
-  top_n(logits.size(), n, [&](int id) { return key(logits[id]); }, ids);
-  for (int id : ids) {
-    const float x = key(logits[id]);
-    out.emplace_back(id, x == kNegInf ? kNegInf
-                                      : static_cast<float>(static_cast<double>(x) - lse));
-  }
-  return out;
+  return {logprob_under(logits[id], lse), top_under(logits, n, lse)};
 }
 
 }  // namespace lily::engine

@@ -181,4 +181,8 @@ float logprob_of(std::span<const float> logits, int id);
 // (ties: lower id first); n is clamped to the vocabulary size.
 std::vector<std::pair<int, float>> top_logprobs(std::span<const float> logits, size_t n);
 
+// Both of the above with one log-sum-exp: id's log-probability and the n
+// most likely ids' (the same values).
+TokenLogprobs token_logprobs(std::span<const float> logits, int id, size_t n);
+
 }  // namespace lily::engine
