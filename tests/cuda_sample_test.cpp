@@ -215,6 +215,15 @@ TEST(CudaSample, RefusesARowWithNoFiniteLogit) {
   EXPECT_EQ(one.id, 3 * 32 + 5);
 }
 
+// The qwen3_5_moe fixture on the GPU with every on-device sampling path on
+// (the whole vocabulary, draft runs' rows), whatever the environment says.
+std::unique_ptr<Backend> sampling_backend() {
+  cuda::CudaOptions o = cuda::options_from_env();
+  o.draft_sample = true;
+  o.sample_whole = true;
+  return cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+}
+
 std::vector<int> generate(Backend& b, bool on_backend, const engine::SamplingParams& s, int n) {
   engine::Generator g(b, nullptr, 512);
   g.backend_sampling = on_backend;
@@ -234,9 +243,7 @@ std::vector<int> generate(Backend& b, bool on_backend, const engine::SamplingPar
 
 TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
   LILY_SKIP_WITHOUT_GPU();
-  cuda::CudaOptions o = cuda::options_from_env();
-  o.sample_whole = true;
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  auto b = sampling_backend();
   engine::SamplingParams greedy;
   greedy.temperature = 0.f;
   engine::SamplingParams topk;
@@ -268,9 +275,7 @@ TEST(CudaSample, GeneratorTokensMatchTheHostPath) {
 // 0xFF, which no UTF-8 text has.
 TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
   LILY_SKIP_WITHOUT_GPU();
-  cuda::CudaOptions o = cuda::options_from_env();
-  o.sample_whole = true;
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  auto b = sampling_backend();
   const text::Tokenizer& tok = test::fixture_tokenizer();
   const std::optional<int> stop = test::byte_ff_token(tok, b->config().vocab_size);
   ASSERT_TRUE(stop.has_value());
@@ -307,9 +312,7 @@ TEST(CudaSample, GrammarMaskedTokensMatchTheHostPath) {
 // likelier, so the output copies it and prompt lookup finds drafts.
 TEST(CudaSample, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
   LILY_SKIP_WITHOUT_GPU();
-  cuda::CudaOptions o = cuda::options_from_env();
-  o.draft_sample = true;
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  auto b = sampling_backend();
   ASSERT_GT(b->max_draft_run(), 1);
   const text::Tokenizer& tok = test::fixture_tokenizer();
   std::vector<int> byte_id(256, -1);
@@ -353,10 +356,7 @@ TEST(CudaSample, DraftRunsUnderAGrammarGiveTheHostPathsTokens) {
 // host, drafts taken and refused.
 TEST(CudaSample, DraftRunRowsSampledOnTheDeviceGiveTheHostPathsTokens) {
   LILY_SKIP_WITHOUT_GPU();
-  cuda::CudaOptions o = cuda::options_from_env();
-  o.draft_sample = true;
-  o.sample_whole = true;
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  auto b = sampling_backend();
   ASSERT_GT(b->max_draft_run(), 1);
   const int V = b->config().vocab_size;
   int drafted = 0, accepted = 0, runs_on_device = 0;
@@ -467,10 +467,7 @@ TEST(CudaSample, LogprobsMatchTheHostsOnTheRawRows) {
 // logprobs of the host path, which takes them from the row it copies back.
 TEST(CudaSample, LogprobsWithTheDevicesChoiceMatchTheHostPath) {
   LILY_SKIP_WITHOUT_GPU();
-  cuda::CudaOptions o = cuda::options_from_env();
-  o.draft_sample = true;
-  o.sample_whole = true;
-  auto b = cuda::make_cuda_backend(load_model(test::fixture_dir("qwen3_5_moe")), o);
+  auto b = sampling_backend();
   const text::Tokenizer& tok = test::fixture_tokenizer();
   const std::optional<int> stop = test::byte_ff_token(tok, b->config().vocab_size);
   ASSERT_TRUE(stop.has_value());

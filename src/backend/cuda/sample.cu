@@ -203,6 +203,15 @@ __device__ void block_top_k(KeyAt key_at, int n, int k, uint64_t* out, SelectSpa
   __syncthreads();
 }
 
+// The rank of sel[t] among sel[0..k) in descending order (equal keys, the
+// zeros of a short row, by slot).
+__device__ __forceinline__ int rank_desc(const uint64_t* sel, int k, int t) {
+  const uint64_t key = sel[t];
+  int r = 0;
+  for (int j = 0; j < k; ++j) r += sel[j] > key || (sel[j] == key && j < t);
+  return r;
+}
+
 __global__ void __launch_bounds__(kSbThreads) sample_block_kernel(const SampleArgs a) {
   __shared__ float vals[kSbPerBlock];
   __shared__ SelectSpace sp;
@@ -224,12 +233,7 @@ __global__ void __launch_bounds__(kSpThreads) sample_pick_kernel(const SampleArg
   const uint64_t* cand = a.cand + size_t(row) * n_cand;
   int* out = a.out + 2 * row;
   block_top_k([&](int i) { return cand[i]; }, n_cand, kc, sel, sp);
-  if (tid < kc) {  // each key's rank, descending (the zeros of a short row by slot)
-    const uint64_t key = sel[tid];
-    int r = 0;
-    for (int j = 0; j < kc; ++j) r += sel[j] > key || (sel[j] == key && j < tid);
-    best[r] = key;
-  }
+  if (tid < kc) best[rank_desc(sel, kc, tid)] = sel[tid];
   __syncthreads();
   const float top = key_value(best[0]);
   if (tid == 0) {
@@ -815,10 +819,13 @@ struct LpSpace {
   float* max;
 };
 
+// A (row, block) slot: kMaxBackendLogprobs keys, a sum and a max.
+size_t lp_slots(int V, int rows) { return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(rows); }
+constexpr size_t kLpSlotBytes = kMaxBackendLogprobs * sizeof(uint64_t) + sizeof(double) + sizeof(float);
+
 LpSpace lp_space(void* work, int V, int rows, int* blocks_out = nullptr) {
-  const int blocks = (V + kSbPerBlock - 1) / kSbPerBlock;
-  const size_t slots = size_t(blocks) * size_t(rows);
-  if (blocks_out) *blocks_out = blocks;
+  const size_t slots = lp_slots(V, rows);
+  if (blocks_out) *blocks_out = (V + kSbPerBlock - 1) / kSbPerBlock;
   auto* cand = static_cast<uint64_t*>(work);
   auto* sum = reinterpret_cast<double*>(cand + slots * kMaxBackendLogprobs);
   return {cand, sum, reinterpret_cast<float*>(sum + slots)};
@@ -887,10 +894,9 @@ __global__ void __launch_bounds__(kSbThreads) lp_pick_kernel(const LogprobArgs a
   const int top = a.top;
   block_top_k([&](int i) { return p.cand[(first + i / top) * kMaxBackendLogprobs + i % top]; }, blocks * top, top,
               sel, sp);
-  if (tid < top) {  // each key's rank, descending; the zeros (a row shorter than top) last
+  if (tid < top) {  // in rank order; the zeros (a row shorter than top) last
     const uint64_t key = sel[tid];
-    int r = 0;
-    for (int j = 0; j < top; ++j) r += sel[j] > key || (sel[j] == key && j < tid);
+    const int r = rank_desc(sel, top, tid);
     if (key != 0ull) {
       out.ids[r] = key_id(key);
       out.lp[r] = lp(key_value(key));
@@ -907,10 +913,7 @@ size_t sample_workspace_bytes(int V, int kc, int rows) {
   return size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(kc) * size_t(rows) * sizeof(uint64_t);
 }
 
-size_t logprob_workspace_bytes(int V, int rows) {
-  const size_t slots = size_t((V + kSbPerBlock - 1) / kSbPerBlock) * size_t(rows);
-  return slots * (kMaxBackendLogprobs * sizeof(uint64_t) + sizeof(double) + sizeof(float));
-}
+size_t logprob_workspace_bytes(int V, int rows) { return lp_slots(V, rows) * kLpSlotBytes; }
 
 void launch_logprobs(const LogprobArgs& a, cudaStream_t s) {
   if (a.V <= 0 || !a.logits || !(a.ids || a.argmax_key) || !a.work || !a.out)
