@@ -493,6 +493,25 @@ TEST(CudaPrefillGemm, FusedPartsMatchCpu) {
     std::printf("  fused parts variant %d: rel err %.3g\n", variant, e);
     EXPECT_LT(e, kTolQuant);
   }
+  // One format for every part and no expansion: the generic kernel over all
+  // parts in one launch (blockIdx.y picks the part), K split or not, parts
+  // of 1 and 33 rows (odd output columns: unpaired stores), the model's
+  // router + shared gate shape.
+  struct Case { PrefillWeightFormat f; std::vector<int> rows; int T, K; };
+  const Case cases[] = {{PrefillWeightFormat::Q4, {200, 32, 1, 33}, 150, 2048},
+                        {PrefillWeightFormat::Q4, {130, 33}, 300, 192},
+                        {PrefillWeightFormat::Q8, {256, 1}, 100, 1024},
+                        {PrefillWeightFormat::BF16, {64, 7, 100}, 40, 512}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "parts of one format, T " << c.T << " K " << c.K << " fmt " << int(c.f));
+    Rng r(90 + c.T);
+    std::vector<HostWeight> w;
+    for (int rows : c.rows) w.push_back(make_weight(r, c.f, rows, c.K));
+    double e = 0;
+    run_fused_parts(r, w, c.T, c.K, PrefillScratch{}, e);
+    std::printf("  fused parts, one format (T %d, K %d, %zu parts): rel err %.3g\n", c.T, c.K, c.rows.size(), e);
+    EXPECT_LT(e, kTolQuant);
+  }
 }
 
 // Runs of <= 16 rows over q4 weights: the skinny kernels (weights as the
@@ -886,6 +905,9 @@ TEST(CudaPrefillMoe, MatchesCpuSkinnyTiles) {
   run_moe_case(300, 8, 2, 512, 256, false, true, 61, PrefillWeightFormat::Q4, 16);
   run_moe_case(70, 8, 2, 256, 512, true, true, 62, PrefillWeightFormat::Q4, 16, 3, true);
   run_moe_case(96, 32, 8, 2048, 512, true, false, 63, PrefillWeightFormat::Q4, 16);
+  // Gate / up interleaved (the backend's layout), partly filled row blocks.
+  run_moe_case(96, 32, 8, 2048, 512, false, true, 81, PrefillWeightFormat::Q4, 16, 0, false, 0, true);
+  run_moe_case(50, 8, 2, 512, 768, true, false, 82, PrefillWeightFormat::Q4, 16, 3, true, 0, true);
 }
 
 // Runs of at most 16 tokens plan the routing in one block (moe_plan_kernel:
@@ -1635,6 +1657,34 @@ TEST(CudaPrefillBench, SplitK) {
       const double ms = time_ms([&] { prefill_gemm(w.view, x.as<uint16_t>(), T, s.K, y.p, s.N, PrefillOut::F32Add, nullptr); });
       std::printf("| %d x %d | %s | %d | %d | %.4f | %.1f |\n", s.N, s.K, s.what, T,
                   prefill_gemm_k_splits(w.view, T, PrefillOut::F32Add), ms, 2.0 * T * s.N * s.K / (ms * 1e-3) / 1e12);
+    }
+  }
+}
+
+// Few-row matrices at prompt lengths past the skinny kernel (the DeltaNet's
+// b / a projections, the router and the shared expert's gate, attention's k
+// / v) next to the large ones: what one launch of each costs alone (a
+// fused launch takes the small ones along with a large one).
+TEST(CudaPrefillBench, SmallN) {
+  REQUIRE_BENCH();
+  Dev x(size_t(1024) * 4096 * 2);
+  fill_bf16(x, 1, 1.f);
+  Dev y(size_t(1024) * 8192 * 4);
+  struct Shape { int N, K; PrefillWeightFormat f; const char* what; };
+  const Shape shapes[] = {{32, 2048, PrefillWeightFormat::Q4, "dn b / a"},
+                          {1, 2048, PrefillWeightFormat::Q8, "shared gate"},
+                          {256, 2048, PrefillWeightFormat::Q8, "router"},
+                          {512, 2048, PrefillWeightFormat::Q4, "attn k / v"},
+                          {2048, 4096, PrefillWeightFormat::Q4, "out_proj"},
+                          {4096, 2048, PrefillWeightFormat::Q4, "z"},
+                          {8192, 2048, PrefillWeightFormat::Q4, "qkv"}};
+  std::printf("\n| N x K | what | T | splits | ms |\n|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    BenchWeight w = bench_weight(s.f, s.N, s.K, 7);
+    for (int T : {64, 256, 512, 1000}) {
+      const double ms = time_ms([&] { prefill_gemm(w.view, x.as<uint16_t>(), T, s.K, y.p, 8192, PrefillOut::F32, nullptr); });
+      std::printf("| %d x %d | %s | %d | %d | %.4f |\n", s.N, s.K, s.what, T,
+                  prefill_gemm_k_splits(w.view, T, PrefillOut::F32, {}), ms);
     }
   }
 }

@@ -108,6 +108,19 @@ __device__ __forceinline__ void dequant_q8x32(uint4 c0, uint4 c1, float2 s, uint
 
 enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
 
+// A fused projection's further matrices (GemmParams::part[1..]): several
+// matrices of one input in one launch, each into its own output columns
+// (the DeltaNet's qkv / z / b / a, the router and the shared expert's gate,
+// attention's q / k / v): blockIdx.y from tile0 on is the part's tile
+// y - tile0. Part 0 is GemmParams' own matrix.
+constexpr int kGemmMaxParts = 4;
+struct GemmPart {
+  const uint8_t* w;
+  const uint32_t* sb;
+  size_t w_row_stride, sb_row_stride;
+  int N, tile0, col0;
+};
+
 struct GemmParams {
   const uint16_t* x;
   size_t ldx;
@@ -131,6 +144,8 @@ struct GemmParams {
   int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
   float* split_part;  // split-K: the blocks' partial sums (SplitSpace)
   int* split_count;   // split-K: blocks arrived per output tile (0 between GEMMs)
+  int nparts;         // plain GEMMs: matrices in this launch (0 or 1: p's own only)
+  GemmPart part[kGemmMaxParts];
 };
 
 constexpr int kBN = 128;  // weight rows per block tile
@@ -228,11 +243,28 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   for (int r = tid; r < BM; r += kThreads)
     s_arow[r] = r < rows_valid ? (p.a_rows ? p.a_rows[m0 + r] : m0 + r) : -1;
 
+  // The block's matrix (a fused launch's part) and its output columns.
+  const uint8_t* pw = p.w;
+  const uint32_t* psb = p.sb;
+  size_t row_bytes = p.w_row_stride, sb_rs = p.sb_row_stride;
+  int N = p.N, ty = blockIdx.y, ycol = 0;
+  if constexpr (!SWIGLU && !GROUPED) {
+#pragma unroll
+    for (int i = 1; i < kGemmMaxParts; ++i)
+      if (i < p.nparts && int(blockIdx.y) >= p.part[i].tile0) {
+        pw = p.part[i].w;
+        psb = p.part[i].sb;
+        row_bytes = p.part[i].w_row_stride;
+        sb_rs = p.part[i].sb_row_stride;
+        N = p.part[i].N;
+        ty = blockIdx.y - p.part[i].tile0;
+        ycol = p.part[i].col0;
+      }
+  }
   // Weight rows of this block: SwiGLU covers 64 outputs (gate rows then up rows).
-  const int nb0 = SWIGLU ? blockIdx.y * 64 : blockIdx.y * kBN;
-  const size_t row_bytes = p.w_row_stride;
-  const uint8_t* wb = p.w + size_t(expert) * p.expert_w_bytes;
-  const uint32_t* sbb = p.sb ? p.sb + size_t(expert) * p.expert_sb_words : nullptr;
+  const int nb0 = SWIGLU ? blockIdx.y * 64 : ty * kBN;
+  const uint8_t* wb = pw + size_t(expert) * p.expert_w_bytes;
+  const uint32_t* sbb = psb ? psb + size_t(expert) * p.expert_sb_words : nullptr;
   const uint8_t* wb2 = SWIGLU ? p.w2 + size_t(expert) * p.expert_w_bytes : nullptr;
   const uint32_t* sbb2 = (SWIGLU && p.sb2) ? p.sb2 + size_t(expert) * p.expert_sb_words : nullptr;
   // Tile row r -> matrix row (or -1), and which matrix.
@@ -248,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
       base = wb;
       sbase = sbb;
     }
-    return n < p.N ? n : -1;
+    return n < N ? n : -1;
   };
   __syncthreads();
 
@@ -294,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
                                     : p.w;
         cp_async16(ws + r * WTile<F>::code_bytes_per_row + (h * CPH + c) * 16, src, n >= 0 ? 16 : 0);
       }
-      const uint32_t* src = n >= 0 ? sbase + size_t(n) * p.sb_row_stride + kt : p.sb;
+      const uint32_t* src = n >= 0 ? sbase + size_t(n) * sb_rs + kt : p.sb;
       cp_async4(ws + WTile<F>::codes + tid * 4, src, n >= 0 ? 4 : 0);
     } else {
       constexpr int CPR = WTile<F>::code_bytes_per_row / 16;  // 16-byte chunks per row
@@ -314,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
         const uint8_t* base;
         const uint32_t* sbase;
         const int n = wrow(tid, base, sbase);
-        const uint32_t* src = n >= 0 ? sbase + size_t(n) * p.sb_row_stride + kt : p.sb;
+        const uint32_t* src = n >= 0 ? sbase + size_t(n) * sb_rs + kt : p.sb;
         cp_async4(ws + WTile<F>::codes + tid * 4, src, n >= 0 ? 4 : 0);
       }
     }
@@ -448,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     float* slots = p.split_part + size_t(tile) * gridDim.z * (kRegs * kThreads);
     float* mine = slots + size_t(blockIdx.z) * (kRegs * kThreads);
     // Accumulator i's output row (the epilogue's mapping): only rows below
-    // rows_valid go through the slots (a short tile moves only its rows).
+    // rows_valid are stored to the slots (a short tile moves only its rows).
     const int row0 = kWG ? 64 * wg + 16 * (warp & 3) + (lane >> 2) : wm * WM + (lane >> 2);
     auto valid = [&](int i) { return row0 + (kWG ? 0 : (i >> 4) * 16) + 8 * ((i >> 1) & 1) < rows_valid; };
 #pragma unroll
@@ -464,19 +496,24 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     __syncthreads();
     if (!s_last) return;
     __threadfence();
+    // Every entry of every slot is loaded, the rows past rows_valid too
+    // (stale values from earlier GEMMs, never stored by the epilogue): with
+    // the row test between them the loads went out one at a time (a split
+    // of 8 took ~58 us for 4 k-tiles a block; ~19 us so, H100).
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i)
-      if (valid(i)) flat[i] = __ldcg(slots + i * kThreads + tid);
+    for (int i = 0; i < kRegs; ++i) flat[i] = __ldcg(slots + i * kThreads + tid);
     for (int z = 1; z < int(gridDim.z); ++z) {
       const float* part = slots + size_t(z) * (kRegs * kThreads);
+      float v[kRegs];
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i)
-        if (valid(i)) flat[i] += __ldcg(part + i * kThreads + tid);
+      for (int i = 0; i < kRegs; ++i) v[i] = __ldcg(part + i * kThreads + tid);
+#pragma unroll
+      for (int i = 0; i < kRegs; ++i) flat[i] += v[i];
     }
   }
   // Epilogue straight from the accumulators.
   auto store = [&](int r, int col, float v) {
-    const size_t o = size_t(m0 + r) * p.ldy + col;
+    const size_t o = size_t(m0 + r) * p.ldy + ycol + col;
     if (p.out_kind == int(PrefillOut::F32)) {
       static_cast<float*>(p.y)[o] = v;
     } else if (p.out_kind == int(PrefillOut::F32Add)) {
@@ -491,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   // Two adjacent columns per store where the output allows it (even row
   // stride, 8-byte aligned base).
   auto store_pair = [&](int r, int col, float v0, float v1) {
-    const size_t o = size_t(m0 + r) * p.ldy + col;
+    const size_t o = size_t(m0 + r) * p.ldy + ycol + col;
     if (p.out_kind == int(PrefillOut::BF16)) {
       *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.y) + o) = pack_bf16x2(v0, v1);
     } else {
@@ -505,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     }
   };
   if constexpr (kWG) {
-    const bool paired = p.ldy % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
+    const bool paired = p.ldy % 2 == 0 && ycol % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 64 * wg + 16 * (warp & 3) + (lane >> 2) + half * 8;
@@ -513,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 #pragma unroll
       for (int j = 0; j < (SWIGLU ? 8 : 16); ++j) {
         const int col0 = nb0 + 8 * j + (lane & 3) * 2;
-        if (paired && col0 + 1 < p.N) {
+        if (paired && col0 + 1 < N) {
           const float* v = wacc + 4 * j + 2 * half;
           if constexpr (SWIGLU) {
             const float* u = wacc + 4 * (j + 8) + 2 * half;
@@ -527,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = col0 + e;
-          if (col >= p.N) continue;
+          if (col >= N) continue;
           if constexpr (SWIGLU)
             store_swiglu(r, col, wacc[4 * j + 2 * half + e], wacc[4 * (j + 8) + 2 * half + e]);
           else
@@ -548,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int col = nb0 + wn * 16 + nt * 8 + (lane & 3) * 2 + e;
-              if (col < p.N) store_swiglu(r, col, acc[mt][nt][half * 2 + e], acc[mt][nt + 2][half * 2 + e]);
+              if (col < N) store_swiglu(r, col, acc[mt][nt][half * 2 + e], acc[mt][nt + 2][half * 2 + e]);
             }
         } else {
 #pragma unroll
@@ -556,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int col = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2 + e;
-              if (col < p.N) store(r, col, acc[mt][nt][half * 2 + e]);
+              if (col < N) store(r, col, acc[mt][nt][half * 2 + e]);
             }
         }
       }
@@ -1767,6 +1804,9 @@ const SplitSpace& split_space(cudaStream_t stream) {
     check(cudaMalloc(&sp.count, kMaxSplitTiles * sizeof(int)), "cudaMalloc(split-K counters)");
     check(cudaMemset(sp.count, 0, kMaxSplitTiles * sizeof(int)), "cudaMemset(split-K counters)");
     check(cudaMalloc(&sp.part, split_space_floats() * sizeof(float)), "cudaMalloc(split-K workspace)");
+    // The last block reads whole slots, rows a short tile never wrote too:
+    // those hold zeros or an earlier GEMM's sums, never uninitialised memory.
+    check(cudaMemset(sp.part, 0, split_space_floats() * sizeof(float)), "cudaMemset(split-K workspace)");
   }
   return sp;
 }
@@ -1775,14 +1815,19 @@ const SplitSpace& split_space(cudaStream_t stream) {
 // most multiprocessors idle, so K is split for about two blocks per
 // multiprocessor, each streaming at least 4 k-tiles (F32 outputs only).
 // Returns the k-tiles per split, or 0 for none.
-int gemm_k_split(const PrefillWeight& w, int T, PrefillOut out) {
+// n_tiles: the launch's weight-row tiles (a fused launch's parts together).
+int gemm_k_split(const PrefillWeight& w, int T, PrefillOut out, int n_tiles = 0) {
   const int bm = T <= 64 ? 64 : 128;
   const int KT = w.cols / kBK;
-  const int blocks = ((T + bm - 1) / bm) * ((w.rows + kBN - 1) / kBN), target = 2 * sm_count();
+  if (!n_tiles) n_tiles = (w.rows + kBN - 1) / kBN;
+  const int blocks = ((T + bm - 1) / bm) * n_tiles, target = 2 * sm_count();
   if (out == PrefillOut::BF16 || blocks >= target || KT < 8 || blocks > kMaxSplitTiles) return 0;
   const int per = std::max(4, (KT * blocks + target - 1) / target);
   return (KT + per - 1) / per > 1 ? per : 0;
 }
+
+void generic_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
+                  PrefillOut out, cudaStream_t stream);
 
 }  // namespace
 
@@ -1811,6 +1856,17 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   if (expand_pays(w, T, scratch, 1))
     return prefill_gemm(expand_bf16(w, static_cast<uint16_t*>(scratch.p), stream), x, T, ldx, y, ldy, out, stream);
   if (tma_gemm_fits(w, T)) return tma_gemm(w, nullptr, x, T, ldx, y, ldy, out, stream);
+  generic_gemm(&w, 1, x, T, ldx, y, ldy, out, stream);
+}
+
+namespace {
+
+// The generic kernel over n matrices of one input (n <= kGemmMaxParts, one
+// format, the same columns), matrix i into the output columns after those
+// of 0..i - 1: one launch.
+void generic_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
+                  PrefillOut out, cudaStream_t stream) {
+  const PrefillWeight& w = parts[0];
   GemmParams p = base_params(w);
   p.x = x;
   p.ldx = ldx;
@@ -1818,10 +1874,18 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   p.y = y;
   p.ldy = ldy;
   p.out_kind = int(out);
+  p.nparts = n;
+  int tiles = (w.rows + kBN - 1) / kBN, col = w.rows;
+  for (int i = 1; i < n; ++i) {
+    const GemmParams b = base_params(parts[i]);
+    p.part[i] = GemmPart{b.w, b.sb, b.w_row_stride, b.sb_row_stride, parts[i].rows, tiles, col};
+    tiles += (parts[i].rows + kBN - 1) / kBN;
+    col += parts[i].rows;
+  }
   const int bm = T <= 64 ? 64 : 128;
-  dim3 grid((T + bm - 1) / bm, (w.rows + kBN - 1) / kBN);
-  if (grid.y > 65535) fail("prefill_gemm: too many output rows (", w.rows, ")");
-  if (const int per = gemm_k_split(w, T, out)) {  // partial sums added in z order (g_split_turn)
+  dim3 grid((T + bm - 1) / bm, tiles);
+  if (grid.y > 65535) fail("prefill_gemm: too many output rows (", col, ")");
+  if (const int per = gemm_k_split(w, T, out, tiles)) {  // partial sums added in z order by each tile's last block
     p.kt_per_split = per;
     grid.z = (w.cols / kBK + per - 1) / per;
     const size_t need = size_t(grid.x) * grid.y * grid.z * bm * kBN;
@@ -1833,6 +1897,8 @@ void prefill_gemm(const PrefillWeight& w, const uint16_t* x, int T, size_t ldx, 
   }
   launch_gemm(w.fmt, p, bm, false, false, grid, stream);
 }
+
+}  // namespace
 
 void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y,
                         size_t ldy, PrefillOut out, cudaStream_t stream, const PrefillScratch& scratch) {
@@ -1867,6 +1933,16 @@ void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, in
     all.cols = int(cols);
     all.w = d;
     return prefill_gemm(all, x, T, ldx, y, ldy, out, stream);
+  }
+  // The generic kernel for each: one launch over all of them.
+  if (n > 1 && n <= kGemmMaxParts && T > 0 && std::all_of(parts, parts + n, [&](const PrefillWeight& w) {
+        return w.fmt == parts[0].fmt && w.sb_f16 == parts[0].sb_f16 && !skinny_fits(w, T) &&
+               !expand_pays(w, T, scratch, 1) && !tma_gemm_fits(w, T);
+      })) {
+    validate_x(x, ldx, int(cols), "prefill_gemm_fused");
+    if (!y) fail("prefill_gemm_fused: output pointer is null");
+    if (ldy < rows) fail("prefill_gemm_fused: output row stride ", ldy, " is below the parts' ", rows, " rows");
+    return generic_gemm(parts, n, x, T, ldx, y, ldy, out, stream);
   }
   const size_t esize = out == PrefillOut::BF16 ? 2 : 4;
   size_t col = 0;
