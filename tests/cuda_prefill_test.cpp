@@ -335,7 +335,7 @@ TEST(CudaPrefillGemm, SplitKIsCorrectAndTheSameBitsEveryRun) {
       {PrefillWeightFormat::Q4, 100, 1976, 4096, PrefillOut::F32Add},
       {PrefillWeightFormat::Q8, 33, 136, 1088, PrefillOut::F32Add},
       {PrefillWeightFormat::BF16, 77, 300, 2048, PrefillOut::F32},
-      {PrefillWeightFormat::Q4, 17, 2100, 512, PrefillOut::F32Add},
+      {PrefillWeightFormat::Q4, 33, 2100, 512, PrefillOut::F32Add},  // a short tile: 33 rows of 64
   };
   uint64_t seed = 40;
   for (const Case& c : cases) {
@@ -537,13 +537,19 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
                         // >= 2 blocks per SM of 64 rows: each warp over all of K (the others split K in 4)
                         {3, 17000, 256, PrefillOut::F32, false}, {10, 16900, 512, PrefillOut::BF16, true},
                         // a grid of 16-row blocks over one wave (Qwen3.6's in_proj): K over 2 warps
-                        {2, 12352, 2048, PrefillOut::F32, false}, {16, 12352, 2048, PrefillOut::F32Add, false}};
+                        {2, 12352, 2048, PrefillOut::F32, false}, {16, 12352, 2048, PrefillOut::F32Add, false},
+                        // 17..32 rows: four n8 halves
+                        {17, 130, 256, PrefillOut::F32, false}, {24, 513, 2048, PrefillOut::F32Add, false},
+                        {32, 300, 1280, PrefillOut::BF16, true}, {20, 77, 4096, PrefillOut::F32Add, false},
+                        {32, 12352, 2048, PrefillOut::F32, false}};
   uint64_t seed = 400;
   for (const Case& c : cases) run_gemm_case(PrefillWeightFormat::Q4, c.T, c.N, c.K, c.out, c.f16, seed++);
   // q8 codes (16 bytes a lane per group): the router's shape, tails, f16 scales.
   run_gemm_case(PrefillWeightFormat::Q8, 2, 257, 2048, PrefillOut::F32, false, 415);
   run_gemm_case(PrefillWeightFormat::Q8, 12, 70, 192, PrefillOut::F32Add, true, 416);
   run_gemm_case(PrefillWeightFormat::Q8, 9, 129, 512, PrefillOut::BF16, false, 417);
+  run_gemm_case(PrefillWeightFormat::Q8, 32, 257, 2048, PrefillOut::F32, false, 418);
+  run_gemm_case(PrefillWeightFormat::Q8, 21, 70, 192, PrefillOut::F32Add, true, 419);
   // The tiled kernels at such shapes still pass (the model tests' backends
   // with skinny_rows 0 take them too).
   prefill_set_skinny_rows(0);
@@ -551,21 +557,24 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
   run_gemm_case(PrefillWeightFormat::Q4, 16, 130, 320, PrefillOut::F32Add, false, 421);
   prefill_set_skinny_rows(16);
 
-  // A row's outputs are the same bits in a run of 5 and of 12 (one and two
-  // n8 halves), also where the split of K follows from the waves.
+  // A row's outputs are the same bits in a run of 5, of 12 and of 27 (one,
+  // two and four n8 halves), also where the split of K follows from the waves.
   for (const auto& [N, K] : {std::pair{150, 1024}, std::pair{12352, 2048}}) {
     Rng r(430);
     HostWeight hw = make_weight(r, PrefillWeightFormat::Q4, N, K);
     DevWeight dw = upload_weight(hw);
     std::vector<uint16_t> xb;
     std::vector<float> xf;
-    random_bf16(r, size_t(12) * K, 1.f, xb, xf);
+    random_bf16(r, size_t(27) * K, 1.f, xb, xf);
     Dev x = upload(xb);
-    Dev y5(size_t(5) * N * 4), y12(size_t(12) * N * 4);
+    Dev y5(size_t(5) * N * 4), y12(size_t(12) * N * 4), y27(size_t(27) * N * 4);
     prefill_gemm(dw.view, x.as<uint16_t>(), 5, K, y5.p, N, PrefillOut::F32, nullptr);
     prefill_gemm(dw.view, x.as<uint16_t>(), 12, K, y12.p, N, PrefillOut::F32, nullptr);
-    const auto a = download<float>(y5, size_t(5) * N), b = download<float>(y12, size_t(12) * N);
+    prefill_gemm(dw.view, x.as<uint16_t>(), 27, K, y27.p, N, PrefillOut::F32, nullptr);
+    const auto a = download<float>(y5, size_t(5) * N), b = download<float>(y12, size_t(12) * N),
+               c = download<float>(y27, size_t(27) * N);
     EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin())) << "rows of a run of 5 vs the same rows of a run of 12";
+    EXPECT_TRUE(std::equal(b.begin(), b.end(), c.begin())) << "rows of a run of 12 vs the same rows of a run of 27";
   }
 
   // Fused parts: one launch into adjacent columns (parts of one format: q4,
@@ -585,7 +594,7 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
   }
 
   // SwiGLU, packed gate / up and interleaved rows (two strided views).
-  for (const int T : {3, 6, 14}) {
+  for (const int T : {3, 6, 14, 20, 32}) {
     SCOPED_TRACE(::testing::Message() << "swiglu T " << T);
     Rng r(450 + T);
     const int N = T == 6 ? 600 : 96, K = T == 14 ? 256 : 512;
@@ -923,6 +932,9 @@ TEST(CudaPrefillMoe, MatchesCpuShortRuns) {
   run_moe_case(7, 16, 4, 192, 64, true, true, 68, PrefillWeightFormat::Q4, 64, 3);
   run_moe_case(9, 8, 2, 320, 128, true, false, 69, PrefillWeightFormat::Q8);
   run_moe_case(5, 4, 2, 128, 64, false, false, 70, PrefillWeightFormat::BF16);
+  // 17..32 tokens plan in one block too (8-row tiles, experts over several).
+  run_moe_case(24, 256, 8, 2048, 512, true, false, 83);
+  run_moe_case(32, 32, 8, 512, 256, false, true, 84);
 }
 
 // A short run's MoE with the shared expert's weights: q4 in the stacks'
@@ -942,6 +954,8 @@ TEST(CudaPrefillMoe, MatchesCpuShortRunsSharedWeights) {
   run_moe_case(2, 256, 8, 2048, 512, true, true, 78, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
   run_moe_case(13, 32, 8, 512, 256, true, false, 79, PrefillWeightFormat::Q4, 0, 5, true, 256, true);
   run_moe_case(4, 16, 4, 256, 128, false, true, 80, PrefillWeightFormat::Q4, 0, 0, false, 0, true);
+  run_moe_case(32, 256, 8, 2048, 512, true, true, 85, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
+  run_moe_case(20, 16, 4, 256, 128, true, false, 86, PrefillWeightFormat::Q4, 0, 0, false, 128);
   prefill_set_moe_grouped(false);
   run_moe_case(2, 256, 8, 2048, 512, true, true, 76, PrefillWeightFormat::Q4, 0, 0, false, 512);
   run_moe_case(7, 32, 4, 256, 256, true, false, 77);

@@ -95,12 +95,17 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
 
 // Runs of at most `rows` tokens (default 16, the most; 0: never) take the
 // skinny kernels for q4 / q8 weights in the three calls above (the weights as
-// the MMA's A operand, read once for the run; prefill_gemm.cu) and the
+// the MMA's A operand, read once for the run; prefill_gemm.cu; up to twice
+// `rows`, prefill_skinny_gemm_rows below) and the
 // recurrent DeltaNet in prefill_deltanet (token by token, as the decode
 // step; prefill_deltanet_run.cu), and prefill_moe plans the routing in one
 // block (moe_plan_kernel). Process-wide; for benchmarks and tests.
 void prefill_set_skinny_rows(int rows);
 int prefill_skinny_rows();
+// The GEMMs and the routed MoE take their skinny forms up to twice that
+// (32 rows: four n8 halves of the MMA; the MoE's tiles stay at 8 rows),
+// where the tiled kernels' 64-row tiles would leave most SMs idle.
+int prefill_skinny_gemm_rows();
 // Such runs' routed MoE (q4 experts) runs as the skinny kernel in grouped
 // form, one tile per expert, with the shared expert as one more tile where
 // PrefillMoeArgs carries its weights (default on; off: the 16-row MoE tiles).

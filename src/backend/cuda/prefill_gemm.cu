@@ -1209,10 +1209,10 @@ int g_skinny_max_rows = kSdMaxRows;
 bool g_moe_grouped = true;
 bool g_prefill_pdl = true;
 
-// q4 (K a multiple of 128: whole units) or q8, T <= the skinny limit, the
-// run's rows fit in shared memory.
+// q4 (K a multiple of 128: whole units) or q8, T <= the skinny GEMM limit
+// (prefill_skinny_gemm_rows), the run's rows fit in shared memory.
 bool skinny_fits(const PrefillWeight& w, int T) {
-  return T >= 1 && T <= g_skinny_max_rows && w.fmt != PrefillWeightFormat::BF16 &&
+  return T >= 1 && T <= prefill_skinny_gemm_rows() && w.fmt != PrefillWeightFormat::BF16 &&
          (w.fmt != PrefillWeightFormat::Q4 || w.cols % 128 == 0) &&
          skinny_smem_bytes(T, w.cols) <= size_t(kSdMaxSmem);
 }
@@ -1281,7 +1281,8 @@ void launch_skinny(const SkinnyParams& p, dim3 blocks, cudaStream_t s, int* occ 
     else launch_skinny_t<NT, 1, SWIGLU, BITS, KS, GROUPED>(p, blocks, s, occ);
   };
   if (p.M <= 8) go(std::integral_constant<int, 1>{});
-  else go(std::integral_constant<int, 2>{});
+  else if (p.M <= 16) go(std::integral_constant<int, 2>{});
+  else go(std::integral_constant<int, 4>{});
 }
 
 // Experiments: LILY_CUDA_SKINNY_KS (dense) / LILY_CUDA_GROUPED_KS (the
@@ -1795,6 +1796,7 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 }  // namespace
 
 int prefill_skinny_rows() { return g_skinny_max_rows; }
+int prefill_skinny_gemm_rows() { return 2 * g_skinny_max_rows; }
 
 void prefill_set_skinny_rows(int rows) {
   if (rows < 0 || rows > kSdMaxRows) fail("prefill_set_skinny_rows: rows (", rows, ") must be in [0, ", kSdMaxRows, "]");
@@ -1863,6 +1865,7 @@ int gemm_k_split(const PrefillWeight& w, int T, PrefillOut out, int n_tiles = 0)
 
 void generic_gemm(const PrefillWeight* parts, int n, const uint16_t* x, int T, size_t ldx, void* y, size_t ldy,
                   PrefillOut out, cudaStream_t stream);
+bool interleaved_pair(const PrefillWeight& gate, const PrefillWeight& up);
 
 }  // namespace
 
@@ -1998,7 +2001,16 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
   if (!h) fail("prefill_gemm_swiglu: output pointer is null");
-  if (skinny_fits(gate, T)) return skinny_gemm(&gate, 1, x, T, ldx, h, ldh, PrefillOut::BF16, stream, &up);
+  if (skinny_fits(gate, T)) {
+    if (interleaved_pair(gate, up)) {  // one plain launch over the interleaved rows (2 a lane, not 4)
+      PrefillWeight both = gate;
+      both.rows = 2 * gate.rows;
+      both.row_stride_bytes = base_params(gate).w_row_stride / 2;
+      both.sb_row_stride_words = base_params(gate).sb_row_stride / 2;
+      return skinny_gemm(&both, 1, x, T, ldx, h, ldh, PrefillOut(kOutSwigluPairs), stream);
+    }
+    return skinny_gemm(&gate, 1, x, T, ldx, h, ldh, PrefillOut::BF16, stream, &up);
+  }
   if (expand_pays(gate, T, scratch, 2)) {
     uint16_t* d = static_cast<uint16_t*>(scratch.p);
     const PrefillWeight g = expand_bf16(gate, d, stream);
@@ -2168,7 +2180,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   // 128-row tiles 0.57 / 0.59 / 0.59; at T = 2048, 64-row tiles 0.93 and
   // 128-row tiles 0.68.)
   const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
-  const bool plan1 = a.T <= prefill_skinny_rows() && n <= 512 && plan_threads <= 1024;
+  const bool plan1 = a.T <= prefill_skinny_gemm_rows() && n <= 512 && plan_threads <= 1024;
   // A short run (one plan block) with q4 experts takes the skinny dense
   // kernel in grouped form: one tile per expert (<= T rows), and the
   // shared expert, when its weights come along in the stacks' layout, as
