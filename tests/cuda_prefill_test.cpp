@@ -935,6 +935,8 @@ TEST(CudaPrefillMoe, MatchesCpuShortRuns) {
   // 17..32 tokens plan in one block too (8-row tiles, experts over several).
   run_moe_case(24, 256, 8, 2048, 512, true, false, 83);
   run_moe_case(32, 32, 8, 512, 256, false, true, 84);
+  run_moe_case(48, 256, 8, 2048, 512, true, true, 87, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
+  run_moe_case(64, 32, 8, 512, 256, true, false, 88);
 }
 
 // A short run's MoE with the shared expert's weights: q4 in the stacks'

@@ -1388,7 +1388,7 @@ struct CudaBackend::Impl {
       if (D.has_shared) {
         // A short run hands the shared expert to prefill_moe (one more tile
         // of its launches, where the layouts allow).
-        if (T <= prefill_skinny_gemm_rows() && W.sh_gate.rows <= m.inter) {
+        if (T <= prefill_moe_plan_rows() && W.sh_gate.rows <= m.inter) {
           m.sh_gate = W.sh_gate;
           m.sh_up = W.sh_up;
           m.sh_down = W.sh_down;

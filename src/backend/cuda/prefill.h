@@ -106,6 +106,10 @@ int prefill_skinny_rows();
 // (32 rows: four n8 halves of the MMA; the MoE's tiles stay at 8 rows),
 // where the tiled kernels' 64-row tiles would leave most SMs idle.
 int prefill_skinny_gemm_rows();
+// The routed MoE plans in one block and runs the grouped skinny form (with
+// the shared expert as more tiles) up to four times `rows` (64; at most 512
+// routed pairs).
+int prefill_moe_plan_rows();
 // Such runs' routed MoE (q4 experts) runs as the skinny kernel in grouped
 // form, one tile per expert, with the shared expert as one more tile where
 // PrefillMoeArgs carries its weights (default on; off: the 16-row MoE tiles).

@@ -1609,15 +1609,15 @@ __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, in
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, n = T * k;
   s_c[tid] = 0;
   __syncthreads();
-  if (warp < T) {
+  for (int tok = warp; tok < T; tok += blockDim.x / 32) {
     int my_id;
     float my_p;
-    route_token(logits + size_t(warp) * ld, E, k, lane, my_id, my_p);
+    route_token(logits + size_t(tok) * ld, E, k, lane, my_id, my_p);
     const float top = p_warp_sum(lane < k ? my_p : 0.f);
     if (lane < k) {
-      ids[size_t(warp) * k + lane] = my_id;
-      s_ids[warp * k + lane] = my_id;
-      weights[size_t(warp) * k + lane] = norm ? my_p / top : my_p;
+      ids[size_t(tok) * k + lane] = my_id;
+      s_ids[tok * k + lane] = my_id;
+      weights[size_t(tok) * k + lane] = norm ? my_p / top : my_p;
       atomicAdd(&s_c[my_id], 1);
     }
   }
@@ -1797,6 +1797,7 @@ MoeLayout moe_layout(int T, int E, int k, int hidden, int inter) {
 
 int prefill_skinny_rows() { return g_skinny_max_rows; }
 int prefill_skinny_gemm_rows() { return 2 * g_skinny_max_rows; }
+int prefill_moe_plan_rows() { return 4 * g_skinny_max_rows; }
 
 void prefill_set_skinny_rows(int rows) {
   if (rows < 0 || rows > kSdMaxRows) fail("prefill_set_skinny_rows: rows (", rows, ") must be in [0, ", kSdMaxRows, "]");
@@ -2179,15 +2180,17 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   // tiles take 0.28 / 0.37 / 0.60 ms, 64-row tiles 0.50 / 0.52 / 0.59,
   // 128-row tiles 0.57 / 0.59 / 0.59; at T = 2048, 64-row tiles 0.93 and
   // 128-row tiles 0.68.)
-  const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * a.T);
-  const bool plan1 = a.T <= prefill_skinny_gemm_rows() && n <= 512 && plan_threads <= 1024;
+  // One plan block: a warp routes a token at a time (up to 32 warps).
+  const int plan_threads = std::max((a.E + 31) / 32 * 32, 32 * std::min(a.T, 32));
+  const bool plan1 = a.T <= prefill_moe_plan_rows() && n <= 512 && plan_threads <= 1024;
   // A short run (one plan block) with q4 experts takes the skinny dense
   // kernel in grouped form: one tile per expert (<= T rows), and the
   // shared expert, when its weights come along in the stacks' layout, as
   // one more tile of the same launches.
   const bool grouped = g_moe_grouped && plan1 && a.tile_rows == 0 && a.gate.fmt == PrefillWeightFormat::Q4 &&
                        a.down.fmt == PrefillWeightFormat::Q4 && a.hidden % 128 == 0 && a.inter % 128 == 0 &&
-                       skinny_smem_bytes(a.T, std::max(a.hidden, a.inter)) <= size_t(kSdMaxSmem);
+                       skinny_smem_bytes(std::min(a.T, grouped_rows()), std::max(a.hidden, a.inter)) <=
+                           size_t(kSdMaxSmem);
   const bool has_sh = a.sh_gate.w != nullptr;
   auto same_layout = [](const PrefillWeight& s, const PrefillWeight& w) {
     const GemmParams x = base_params(s), y = base_params(w);
