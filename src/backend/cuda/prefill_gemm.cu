@@ -114,6 +114,14 @@ enum Fmt : int { kBF16 = 0, kQ4 = 1, kQ8 = 2 };
 // attention's q / k / v): blockIdx.y from tile0 on is the part's tile
 // y - tile0. Part 0 is GemmParams' own matrix.
 constexpr int kGemmMaxParts = 4;
+// An out_kind past PrefillOut's (GemmParams, SkinnyParams): the matrix is
+// gate / up rows interleaved (gate i at row 2i, up i at 2i + 1, as the
+// decode upload stores them) and output i (bf16) is silu(row 2i) * row 2i +
+// 1, so SwiGLU runs as a plain launch (the skinny kernel: 2 rows a lane
+// instead of 4, half the registers; the tiled one: split K as any plain
+// GEMM, where the SwiGLU form's 64-output tiles gave a few hundred tokens 8
+// blocks).
+constexpr int kOutSwigluPairs = 3;
 struct GemmPart {
   const uint8_t* w;
   const uint32_t* sb;
@@ -528,6 +536,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
   // Two adjacent columns per store where the output allows it (even row
   // stride, 8-byte aligned base).
   auto store_pair = [&](int r, int col, float v0, float v1) {
+    if (p.out_kind == kOutSwigluPairs) {  // (gate, up) of output (ycol + col) / 2
+      static_cast<uint16_t*>(p.y)[size_t(m0 + r) * p.ldy + (ycol + col) / 2] = f32_to_bf16_bits(p_silu(v0) * v1);
+      return;
+    }
     const size_t o = size_t(m0 + r) * p.ldy + ycol + col;
     if (p.out_kind == int(PrefillOut::BF16)) {
       *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.y) + o) = pack_bf16x2(v0, v1);
@@ -542,7 +554,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
     }
   };
   if constexpr (kWG) {
-    const bool paired = p.ldy % 2 == 0 && ycol % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0;
+    const bool paired = p.out_kind == kOutSwigluPairs ||
+                        (p.ldy % 2 == 0 && ycol % 2 == 0 && (reinterpret_cast<uintptr_t>(p.y) & 7) == 0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = 64 * wg + 16 * (warp & 3) + (lane >> 2) + half * 8;
@@ -589,12 +602,18 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const GemmParams p) {
             }
         } else {
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
+          for (int nt = 0; nt < 4; ++nt) {
+            const int col0 = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2;
+            if (p.out_kind == kOutSwigluPairs) {
+              if (col0 + 1 < N) store_pair(r, col0, acc[mt][nt][half * 2], acc[mt][nt][half * 2 + 1]);
+              continue;
+            }
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int col = nb0 + wn * 32 + nt * 8 + (lane & 3) * 2 + e;
+              const int col = col0 + e;
               if (col < N) store(r, col, acc[mt][nt][half * 2 + e]);
             }
+          }
         }
       }
   }
@@ -954,11 +973,6 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
 // the shapes alone and every output is summed in a fixed
 // order and written once, so a row's result does not depend on T.
 constexpr int kSdWarps = 4;
-// SkinnyParams::out_kind past PrefillOut's: the matrix is gate / up rows
-// interleaved (gate i at row 2i, up i at 2i + 1, as the decode upload
-// stores them) and output i (bf16) is silu(row 2i) * row 2i + 1, so SwiGLU
-// runs as a plain launch (2 rows a lane instead of 4: half the registers).
-constexpr int kOutSwigluPairs = 3;
 constexpr int kSdMaxRows = 16;
 // A grouped (short-run MoE) tile's most rows: 8, so that one n8 half of the
 // MMA takes a tile and the staged rows of a block need half the shared
@@ -2002,14 +2016,15 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
   validate_x(x, ldx, gate.cols, "prefill_gemm_swiglu");
   if (T <= 0) return;
   if (!h) fail("prefill_gemm_swiglu: output pointer is null");
+  // Gate / up rows interleaved (the backend's layout): one matrix of both,
+  // run as a plain GEMM with the pairs output.
+  const bool pairs = interleaved_pair(gate, up);
+  PrefillWeight both = gate;
+  both.rows = 2 * gate.rows;
+  both.row_stride_bytes = base_params(gate).w_row_stride / 2;
+  both.sb_row_stride_words = base_params(gate).sb_row_stride / 2;
   if (skinny_fits(gate, T)) {
-    if (interleaved_pair(gate, up)) {  // one plain launch over the interleaved rows (2 a lane, not 4)
-      PrefillWeight both = gate;
-      both.rows = 2 * gate.rows;
-      both.row_stride_bytes = base_params(gate).w_row_stride / 2;
-      both.sb_row_stride_words = base_params(gate).sb_row_stride / 2;
-      return skinny_gemm(&both, 1, x, T, ldx, h, ldh, PrefillOut(kOutSwigluPairs), stream);
-    }
+    if (pairs) return skinny_gemm(&both, 1, x, T, ldx, h, ldh, PrefillOut(kOutSwigluPairs), stream);  // 2 rows a lane, not 4
     return skinny_gemm(&gate, 1, x, T, ldx, h, ldh, PrefillOut::BF16, stream, &up);
   }
   if (expand_pays(gate, T, scratch, 2)) {
@@ -2019,6 +2034,7 @@ void prefill_gemm_swiglu(const PrefillWeight& gate, const PrefillWeight& up, con
     return prefill_gemm_swiglu(g, u, x, T, ldx, h, ldh, stream);
   }
   if (tma_gemm_fits(gate, T)) return tma_gemm(gate, &up, x, T, ldx, h, ldh, PrefillOut::BF16, stream);
+  if (pairs) return generic_gemm(&both, 1, x, T, ldx, h, ldh, PrefillOut(kOutSwigluPairs), stream);  // K split where few tiles
   GemmParams p = base_params(gate);
   p.w2 = static_cast<const uint8_t*>(up.w);
   p.sb2 = up.sb;
