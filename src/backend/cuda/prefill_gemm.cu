@@ -149,7 +149,7 @@ struct GemmParams {
   void* y;
   size_t ldy;
   int out_kind;      // PrefillOut
-  int kt_per_split;  // split-K (dense F32 outputs only): k-tiles per blockIdx.z
+  int kt_per_split;  // split-K (plain GEMMs, no bf16 output): k-tiles per blockIdx.z
   float* split_part;  // split-K: the blocks' partial sums (SplitSpace)
   int* split_count;   // split-K: blocks arrived per output tile (0 between GEMMs)
   int nparts;         // plain GEMMs: matrices in this launch (0 or 1: p's own only)
@@ -1865,9 +1865,10 @@ const SplitSpace& split_space(cudaStream_t stream) {
 
 // The generic kernel's split of K for T rows of w: few output tiles leave
 // most multiprocessors idle, so K is split for about two blocks per
-// multiprocessor, each streaming at least 4 k-tiles (F32 outputs only).
-// Returns the k-tiles per split, or 0 for none.
-// n_tiles: the launch's weight-row tiles (a fused launch's parts together).
+// multiprocessor, each streaming at least 4 k-tiles (not for bf16 outputs;
+// the SwiGLU pairs output splits). Returns the k-tiles per split, or 0 for
+// none. n_tiles: the launch's weight-row tiles (a fused launch's parts
+// together).
 int gemm_k_split(const PrefillWeight& w, int T, PrefillOut out, int n_tiles = 0) {
   const int bm = T <= 64 ? 64 : 128;
   const int KT = w.cols / kBK;
