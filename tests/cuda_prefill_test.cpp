@@ -394,6 +394,30 @@ TEST(CudaPrefillGemm, SwigluMatchesCpu) {
   }
 }
 
+// Gate / up rows interleaved in one q4 matrix (gate i at row 2i, up i at
+// 2i + 1: the decode backend's fused SwiGLU upload), its two strided views,
+// and the double reference silu(gate . x) * (up . x) [T][N].
+struct InterleavedSwiglu {
+  DevWeight d;
+  PrefillWeight g, u;
+  std::vector<float> ref;
+};
+InterleavedSwiglu make_interleaved_swiglu(Rng& r, int N, int K, const std::vector<float>& xf, int T) {
+  HostWeight gu = make_weight(r, PrefillWeightFormat::Q4, 2 * N, K);
+  const std::vector<float> all = ref_matmul(gu.deq, 2 * N, K, xf, T);
+  InterleavedSwiglu w{upload_weight(gu), {}, {}, std::vector<float>(size_t(T) * N)};
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < N; ++i)
+      w.ref[size_t(t) * N + i] = cpu::silu(all[size_t(t) * 2 * N + 2 * i]) * all[size_t(t) * 2 * N + 2 * i + 1];
+  w.g = w.u = w.d.view;
+  w.g.rows = w.u.rows = N;
+  w.g.row_stride_bytes = w.u.row_stride_bytes = size_t(K);  // two packed q4 rows
+  w.g.sb_row_stride_words = w.u.sb_row_stride_words = size_t(K) / 32;
+  w.u.w = static_cast<const uint8_t*>(w.d.view.w) + K / 2;
+  w.u.sb = w.d.view.sb + K / 64;
+  return w;
+}
+
 // Gate/up interleaved by rows (the decode backend's fused SwiGLU upload),
 // read through two strided views: one plain GEMM over both with the pairs
 // output (64- and 128-row tiles, K split or not), and through the expansion
@@ -405,22 +429,12 @@ TEST(CudaPrefillGemm, SwigluInterleavedRows) {
     const int T = c.T, N = c.N, K = c.K;
     SCOPED_TRACE(::testing::Message() << "T " << T << " N " << N << " K " << K);
     Rng r(25 + T);
-    HostWeight gu = make_weight(r, PrefillWeightFormat::Q4, 2 * N, K);
     std::vector<uint16_t> xb;
     std::vector<float> xf;
     random_bf16(r, size_t(T) * K, 1.f, xb, xf);
-    auto all = ref_matmul(gu.deq, 2 * N, K, xf, T);
-    std::vector<float> ref(size_t(T) * N);
-    for (int t = 0; t < T; ++t)
-      for (int i = 0; i < N; ++i)
-        ref[size_t(t) * N + i] = cpu::silu(all[size_t(t) * 2 * N + 2 * i]) * all[size_t(t) * 2 * N + 2 * i + 1];
-    DevWeight d = upload_weight(gu);
-    PrefillWeight g = d.view, u = d.view;
-    g.rows = u.rows = N;
-    g.row_stride_bytes = u.row_stride_bytes = size_t(K);  // two packed Q4 rows
-    g.sb_row_stride_words = u.sb_row_stride_words = size_t(K) / 32;
-    u.w = static_cast<const uint8_t*>(d.view.w) + K / 2;
-    u.sb = d.view.sb + K / 64;
+    const InterleavedSwiglu w = make_interleaved_swiglu(r, N, K, xf, T);
+    const PrefillWeight &g = w.g, &u = w.u;
+    const std::vector<float>& ref = w.ref;
     Dev x = upload(xb);
     Dev h(size_t(T) * N * 2);
     prefill_gemm_swiglu(g, u, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
@@ -619,22 +633,10 @@ TEST(CudaPrefillGemm, SkinnyRowsMatchCpu) {
     prefill_gemm_swiglu(dg.view, du.view, x.as<uint16_t>(), T, K, h.as<uint16_t>(), N, nullptr);
     const double e = rel_err(bf16_vec_to_f32(download<uint16_t>(h, size_t(T) * N)), ref);
     // interleaved
-    HostWeight gu = make_weight(r, PrefillWeightFormat::Q4, 2 * N, K);
-    auto all = ref_matmul(gu.deq, 2 * N, K, xf, T);
-    std::vector<float> ref2(size_t(T) * N);
-    for (int t = 0; t < T; ++t)
-      for (int i = 0; i < N; ++i)
-        ref2[size_t(t) * N + i] = cpu::silu(all[size_t(t) * 2 * N + 2 * i]) * all[size_t(t) * 2 * N + 2 * i + 1];
-    DevWeight d = upload_weight(gu);
-    PrefillWeight gv = d.view, uv = d.view;
-    gv.rows = uv.rows = N;
-    gv.row_stride_bytes = uv.row_stride_bytes = size_t(K);
-    gv.sb_row_stride_words = uv.sb_row_stride_words = size_t(K) / 32;
-    uv.w = static_cast<const uint8_t*>(d.view.w) + K / 2;
-    uv.sb = d.view.sb + K / 64;
+    const InterleavedSwiglu w = make_interleaved_swiglu(r, N, K, xf, T);
     Dev h2(size_t(T) * N * 2);
-    prefill_gemm_swiglu(gv, uv, x.as<uint16_t>(), T, K, h2.as<uint16_t>(), N, nullptr);
-    const double e2 = rel_err(bf16_vec_to_f32(download<uint16_t>(h2, size_t(T) * N)), ref2);
+    prefill_gemm_swiglu(w.g, w.u, x.as<uint16_t>(), T, K, h2.as<uint16_t>(), N, nullptr);
+    const double e2 = rel_err(bf16_vec_to_f32(download<uint16_t>(h2, size_t(T) * N)), w.ref);
     std::printf("  skinny swiglu T=%d N=%d K=%d: rel err %.3g packed, %.3g interleaved\n", T, N, K, e, e2);
     EXPECT_LT(e, 1e-2);
     EXPECT_LT(e2, 1e-2);
