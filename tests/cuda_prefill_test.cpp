@@ -941,11 +941,13 @@ TEST(CudaPrefillMoe, MatchesCpuShortRuns) {
   run_moe_case(7, 16, 4, 192, 64, true, true, 68, PrefillWeightFormat::Q4, 64, 3);
   run_moe_case(9, 8, 2, 320, 128, true, false, 69, PrefillWeightFormat::Q8);
   run_moe_case(5, 4, 2, 128, 64, false, false, 70, PrefillWeightFormat::BF16);
-  // 17..32 tokens plan in one block too (8-row tiles, experts over several).
+  // 17..96 tokens plan in one block too (8-row tiles, experts over several).
   run_moe_case(24, 256, 8, 2048, 512, true, false, 83);
   run_moe_case(32, 32, 8, 512, 256, false, true, 84);
   run_moe_case(48, 256, 8, 2048, 512, true, true, 87, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
   run_moe_case(64, 32, 8, 512, 256, true, false, 88);
+  run_moe_case(96, 256, 8, 2048, 512, true, true, 89, PrefillWeightFormat::Q4, 0, 0, false, 512, true);
+  run_moe_case(90, 16, 8, 256, 128, false, false, 90);  // ~45 rows an expert: 6 tiles each
 }
 
 // A short run's MoE with the shared expert's weights: q4 in the stacks'

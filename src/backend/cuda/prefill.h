@@ -107,7 +107,7 @@ int prefill_skinny_rows();
 // where the tiled kernels' 64-row tiles would leave most SMs idle.
 int prefill_skinny_gemm_rows();
 // The routed MoE plans in one block and runs the grouped skinny form (with
-// the shared expert as more tiles) up to four times `rows` (64; at most 512
+// the shared expert as more tiles) up to six times `rows` (96; at most 1024
 // routed pairs).
 int prefill_moe_plan_rows();
 // Such runs' routed MoE (q4 experts) runs as the skinny kernel in grouped
