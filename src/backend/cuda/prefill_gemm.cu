@@ -1608,12 +1608,13 @@ __device__ __forceinline__ int moe_scan_tiles(int* s_c, int* s_t, int e, int c, 
 }
 
 // A short run's whole plan in one block (blockDim >= 32 min(T, 32) and >= E,
-// at most 1024; at most 1024 pairs): the routing (a warp a token), the counts, the offsets and the
-// BM-row tiles as moe_scan_kernel makes them, and the permutation, with the
-// pairs of one expert in (token, slot) order (deterministic; the launches
-// for long prompts place them by atomics). Replaces the memset, route, scan
-// and scatter launches. shared: ceil(T / bm) more tiles, expert E (the
-// shared expert) over every token, its rows after the routed pairs'.
+// at most 1024; at most 1024 pairs): the routing (a warp a token), the
+// counts, the offsets and the BM-row tiles as moe_scan_kernel makes them,
+// and the permutation, with the pairs of one expert in (token, slot) order
+// (deterministic; the launches for long prompts place them by atomics).
+// Replaces the memset, route, scan and scatter launches. shared: ceil(T /
+// bm) more tiles, expert E (the shared expert) over every token, its rows
+// after the routed pairs'.
 __global__ void moe_plan_kernel(const float* logits, size_t ld, int T, int E, int k, int norm, int bm, int* ids,
                                 float* weights, int* tile_expert, int* tile_row0, int* tile_rows, int* num_tiles,
                                 int* perm_row, int* slot_pos, int shared) {
