@@ -1976,12 +1976,16 @@ void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, in
     quant = quant && parts[i].fmt != PrefillWeightFormat::BF16;
   }
   const size_t cols = size_t(parts[0].cols);
-  if (T > 0 && n <= kSdMaxParts && std::all_of(parts, parts + n, [&](const PrefillWeight& w) {
-        return skinny_fits(w, T) && w.fmt == parts[0].fmt;
-      })) {
+  // The one-launch forms check the input and output here (prefill_gemm does per part).
+  auto check_io = [&] {
     validate_x(x, ldx, int(cols), "prefill_gemm_fused");
     if (!y) fail("prefill_gemm_fused: output pointer is null");
     if (ldy < rows) fail("prefill_gemm_fused: output row stride ", ldy, " is below the parts' ", rows, " rows");
+  };
+  if (T > 0 && n <= kSdMaxParts && std::all_of(parts, parts + n, [&](const PrefillWeight& w) {
+        return skinny_fits(w, T) && w.fmt == parts[0].fmt;
+      })) {
+    check_io();
     return skinny_gemm(parts, n, x, T, ldx, y, ldy, out, stream);
   }
   if (n > 1 && quant && scratch.p && T >= scratch.min_rows && scratch.bytes >= rows * cols * 2 && rows <= (1u << 30)) {
@@ -2003,9 +2007,7 @@ void prefill_gemm_fused(const PrefillWeight* parts, int n, const uint16_t* x, in
         return w.fmt == parts[0].fmt && w.sb_f16 == parts[0].sb_f16 && !skinny_fits(w, T) &&
                !expand_pays(w, T, scratch, 1) && !tma_gemm_fits(w, T);
       })) {
-    validate_x(x, ldx, int(cols), "prefill_gemm_fused");
-    if (!y) fail("prefill_gemm_fused: output pointer is null");
-    if (ldy < rows) fail("prefill_gemm_fused: output row stride ", ldy, " is below the parts' ", rows, " rows");
+    check_io();
     return generic_gemm(parts, n, x, T, ldx, y, ldy, out, stream);
   }
   const size_t esize = out == PrefillOut::BF16 ? 2 : 4;
