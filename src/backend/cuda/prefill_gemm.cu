@@ -668,11 +668,15 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
 // same way, so the B fragment is one 8-byte load. Only the tile's x rows go
 // through shared memory (loaded once, rows 2K + 8 bytes apart: the 8-byte
 // fragment loads are conflict-free), with each group's sum of x. Weights
-// stream once per tile, like the decode matvecs. Needs K % 256 == 0 (4
-// groups per turn of the register ring).
+// stream once per tile, like the decode matvecs. A block takes up to
+// kSkChunks column chunks of its tile one after the other, staging x once
+// (a block a chunk restaged the tile's x rows for every 128 / 256 output
+// columns: the MoE at T = 256 0.276-0.285 -> 0.262 ms, H100). Needs K %
+// 256 == 0 (4 groups per turn of the register ring).
 constexpr int kSkRows = 16;  // token rows per tile
 constexpr int kSkWarps = 8;
 constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
+constexpr int kSkChunks = 4;  // column chunks a block (one staging of x for them)
 constexpr int kSkMaxSmem = 100 * 1024;  // the x tile (16 rows of 2K + 8 bytes) and its group sums
 
 template <int BYTE>
@@ -756,41 +760,49 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
 
   // This thread's 4 weight rows: fragment rows g and g + 8 of two m16 tiles
   // (SwiGLU: the same 16 gate rows and up rows, so gate and up of an output
-  // meet in one thread).
-  const int nb0 = blockIdx.y * (SWIGLU ? 16 : 32) * (kSkWarps / KS);
-  const uint8_t* wrow[4];
-  const uint32_t* srow[4];
-  bool rok[4];
+  // meet in one thread), in column chunk blockIdx.y + c gridDim.y for c =
+  // 0, 1, ...: the block keeps its staged x over its chunks and the
+  // register ring runs on across them (group q of the warp's slice is
+  // group kbeg + q % KGs of chunk q / KGs). KS > 1 takes one chunk a block
+  // (its sums reuse the x tile's memory).
+  const int cols = (SWIGLU ? 16 : 32) * (kSkWarps / KS);
+  const int KGs = KG / KS;
+  const int nchunks = ((p.N + cols - 1) / cols - int(blockIdx.y) + int(gridDim.y) - 1) / int(gridDim.y);
+  const int Q = nchunks * KGs;
+  const size_t chunk_step = size_t(gridDim.y) * cols;
+  int col_in[4];
+  const uint8_t* wbase[4];
+  const uint32_t* sbase[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int mt = i >> 1, hh = i & 1;
-    int n;
-    const uint8_t* base;
-    const uint32_t* sbase;
     if (SWIGLU) {
-      n = nb0 + 16 * wt + g + 8 * hh;
-      base = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes;
-      sbase = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
+      col_in[i] = 16 * wt + g + 8 * hh;
+      wbase[i] = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes + 8 * t;
+      sbase[i] = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
     } else {
-      n = nb0 + 32 * wt + 16 * mt + g + 8 * hh;
-      base = p.w + size_t(expert) * p.expert_w_bytes;
-      sbase = p.sb + size_t(expert) * p.expert_sb_words;
+      col_in[i] = 32 * wt + 16 * mt + g + 8 * hh;
+      wbase[i] = p.w + size_t(expert) * p.expert_w_bytes + 8 * t;
+      sbase[i] = p.sb + size_t(expert) * p.expert_sb_words;
     }
-    rok[i] = n < p.N;
-    wrow[i] = base + size_t(rok[i] ? n : 0) * p.w_row_stride + 8 * t;
-    srow[i] = sbase + size_t(rok[i] ? n : 0) * p.sb_row_stride;
   }
   uint2 cw[kSkRing][4];
   uint32_t cs[kSkRing][4];
-  auto load_group = [&](int kg, uint2 (&c)[4], uint32_t (&sb)[4]) {
+  // (Rows past N read row 0 and groups past the last chunk its last one:
+  // their sums are never stored.)
+  auto load_group = [&](int q, uint2 (&c)[4], uint32_t (&sb)[4]) {
+    q = min(q, Q - 1);
+    const int ch = q / KGs, kg = kbeg + q - ch * KGs;
+    const int n0 = int(blockIdx.y) * cols + int(ch * chunk_step);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      c[i] = rok[i] && kg < kend ? __ldg(reinterpret_cast<const uint2*>(wrow[i] + size_t(kg) * 32)) : make_uint2(0, 0);
-      sb[i] = rok[i] && kg < kend ? __ldg(srow[i] + kg) : 0u;
+      const int n = n0 + col_in[i] < p.N ? n0 + col_in[i] : 0;
+      c[i] = __ldg(reinterpret_cast<const uint2*>(wbase[i] + size_t(n) * p.w_row_stride + kg * 32));
+      sb[i] = __ldg(sbase[i] + size_t(n) * p.sb_row_stride + kg);
     }
   };
 #pragma unroll
-  for (int d = 0; d < kSkRing - 1; ++d) load_group(kbeg + d, cw[d], cs[d]);
+  for (int d = 0; d < kSkRing - 1; ++d) load_group(d, cw[d], cs[d]);
 
   // The group sums of x, [group][token], after the x rows.
   float* xsum = reinterpret_cast<float*>(smem + size_t(kSkRows) * (K * 2 + 8));
@@ -821,11 +833,13 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
 
   float acc[2][2][4] = {};
   const bool f16 = p.sb_f16 != 0;
-  for (int kg0 = kbeg; kg0 < kend; kg0 += kSkRing) {
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+  for (int q0 = 0; q0 < Q; q0 += kSkRing) {
+    const int kg0 = kbeg + q0 % KGs;  // KGs a multiple of kSkRing: one chunk a turn
 #pragma unroll
     for (int d = 0; d < kSkRing; ++d) {
       const int kg = kg0 + d;
-      load_group(kg + kSkRing - 1, cw[(d + kSkRing - 1) % kSkRing], cs[(d + kSkRing - 1) % kSkRing]);
+      load_group(q0 + d + kSkRing - 1, cw[(d + kSkRing - 1) % kSkRing], cs[(d + kSkRing - 1) % kSkRing]);
       // The group's sums of (128 + q) x: gs[mt][nt] as acc below.
       float gs[2][2][4] = {};
 #pragma unroll
@@ -867,43 +881,46 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
             acc[mt][nt][e] = fmaf(S[i], gs[mt][nt][e], fmaf(Bq[i], xg, acc[mt][nt][e]));
           }
     }
-  }
+    if (kg0 + kSkRing < kend) continue;
 
-  if constexpr (KS > 1) {  // the slices' sums, in warp order, through the x tile's memory
-    float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
-    __syncthreads();
-    if (warp % KS != 0) {
+    if constexpr (KS > 1) {  // the slices' sums, in warp order, through the x tile's memory (one chunk)
+      float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
+      __syncthreads();
+      if (warp % KS != 0) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) red[(warp * 16 + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
+        for (int i = 0; i < 16; ++i) red[(warp * 16 + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
+      }
+      __syncthreads();
+      if (warp % KS != 0) return;
+#pragma unroll
+      for (int w = 1; w < KS; ++w)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((warp + w) * 16 + i) * 32 + lane];
     }
-    __syncthreads();
-    if (warp % KS != 0) return;
-#pragma unroll
-    for (int w = 1; w < KS; ++w)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((warp + w) * 16 + i) * 32 + lane];
-  }
 
-  // acc[mt][nt][e]: weight row g + 8 (e >> 1) of m-tile mt, token 8 nt + 2t + (e & 1).
-  uint16_t* y = static_cast<uint16_t*>(p.y);
+    // The chunk's outputs. acc[mt][nt][e]: weight row g + 8 (e >> 1) of
+    // m-tile mt, token 8 nt + 2t + (e & 1).
+    const int nb0 = int(blockIdx.y) * cols + int((q0 / KGs) * chunk_step);
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = 8 * nt + 2 * t + (e & 1);
-      if (tok >= rows_valid) continue;
-      uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
-      if constexpr (SWIGLU) {
-        const int col = nb0 + 16 * wt + g + 8 * (e >> 1);
-        if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(acc[0][nt][e]) * acc[1][nt][e]);
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          const int col = nb0 + 32 * wt + 16 * mt + g + 8 * (e >> 1);
-          if (col < p.N) yr[col] = f32_to_bf16_bits(acc[mt][nt][e]);
+      for (int e = 0; e < 4; ++e) {
+        const int tok = 8 * nt + 2 * t + (e & 1);
+        const float v0 = acc[0][nt][e], v1 = acc[1][nt][e];
+        acc[0][nt][e] = 0.f;
+        acc[1][nt][e] = 0.f;
+        if (tok >= rows_valid) continue;
+        uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
+        if constexpr (SWIGLU) {
+          const int col = nb0 + 16 * wt + g + 8 * (e >> 1);
+          if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(v0) * v1);
+        } else {
+          const int col = nb0 + 32 * wt + g + 8 * (e >> 1);
+          if (col < p.N) yr[col] = f32_to_bf16_bits(v0);
+          if (col + 16 < p.N) yr[col + 16] = f32_to_bf16_bits(v1);
         }
       }
-    }
+  }
 }
 
 // Grouped q4 experts with tiles of <= 16 rows (bf16 output).
@@ -938,7 +955,8 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0) +
                       size_t(p.K / 64) * kSkRows * 4;
   const int cols = cols1 / ks;
-  const dim3 grid(max_tiles, (p.N + cols - 1) / cols);
+  const int chunks = (p.N + cols - 1) / cols;
+  const dim3 grid(max_tiles, ks > 1 ? chunks : (chunks + kSkChunks - 1) / kSkChunks);
   if (swiglu)
     ks == 4 ? launch_moe_skinny_t<true, 4>(p, grid, smem, s)
     : ks == 2 ? launch_moe_skinny_t<true, 2>(p, grid, smem, s)
