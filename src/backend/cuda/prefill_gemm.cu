@@ -671,7 +671,8 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
 // stream once per tile, like the decode matvecs. A block takes up to
 // kSkChunks column chunks of its tile one after the other, staging x once
 // (a block a chunk restaged the tile's x rows for every 128 / 256 output
-// columns: the MoE at T = 256 0.276-0.285 -> 0.262 ms, H100). Needs K %
+// columns: in one binary the MoE at T = 256 took 0.311 ms that way, 0.262
+// with 4 chunks; H100). Needs K %
 // 256 == 0 (4 groups per turn of the register ring).
 constexpr int kSkRows = 16;  // token rows per tile
 constexpr int kSkWarps = 8;
@@ -769,7 +770,8 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
   const int KGs = KG / KS;
   const int nchunks = ((p.N + cols - 1) / cols - int(blockIdx.y) + int(gridDim.y) - 1) / int(gridDim.y);
   const int Q = nchunks * KGs;
-  const size_t chunk_step = size_t(gridDim.y) * cols;
+  // The first output column of the block's chunk c.
+  auto chunk_col0 = [&](int c) { return (int(blockIdx.y) + c * int(gridDim.y)) * cols; };
   int col_in[4];
   const uint8_t* wbase[4];
   const uint32_t* sbase[4];
@@ -793,7 +795,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
   auto load_group = [&](int q, uint2 (&c)[4], uint32_t (&sb)[4]) {
     q = min(q, Q - 1);
     const int ch = q / KGs, kg = kbeg + q - ch * KGs;
-    const int n0 = int(blockIdx.y) * cols + int(ch * chunk_step);
+    const int n0 = chunk_col0(ch);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int n = n0 + col_in[i] < p.N ? n0 + col_in[i] : 0;
@@ -900,7 +902,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
 
     // The chunk's outputs. acc[mt][nt][e]: weight row g + 8 (e >> 1) of
     // m-tile mt, token 8 nt + 2t + (e & 1).
-    const int nb0 = int(blockIdx.y) * cols + int((q0 / KGs) * chunk_step);
+    const int nb0 = chunk_col0(q0 / KGs);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
