@@ -703,6 +703,11 @@ TEST(CudaPrefillMoe, RouteMatchesCpu) {
 
 // tile_rows: 0 = the launcher's choice, 16, 64 or 128 forced (128: the
 // choice at >= 32 rows per expert, wgmma; 16: q4 experts only).
+// > 0: run_moe_case sets the skinny MoE kernel's wave to the plan's 16-row
+// tiles divided by this (prefill_set_moe_skinny_blocks), so that a case
+// lands in a chosen part of the kernel's schedule.
+double g_tiles_per_block = 0;
+
 void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool accumulate, uint64_t seed,
                   PrefillWeightFormat fmt = PrefillWeightFormat::Q4, int tile_rows = 0, int ldo_pad = 0,
                   bool sb_f16 = false, int shared_inter = 0, bool interleave = false) {
@@ -753,6 +758,15 @@ void run_moe_case(int T, int E, int k, int hidden, int inter, bool shared, bool 
   // CPU reference: route, per (token, slot) SwiGLU with the intermediate
   // rounded to bf16 (the GPU keeps it in bf16 between the two launches).
   const CpuRoute route = cpu_route(logits, T, E, k, true);
+  int tiles16 = 0, wave = 0;
+  if (g_tiles_per_block > 0) {
+    std::vector<int> count(E, 0);
+    for (int id : route.ids) ++count[id];
+    for (int c : count) tiles16 += (c + 15) / 16;
+    wave = std::max(1, int(tiles16 / g_tiles_per_block));
+    prefill_set_moe_skinny_blocks(wave);
+  }
+  SCOPED_TRACE(::testing::Message() << "16-row tiles " << tiles16 << ", skinny wave " << wave);
   std::vector<float> ref(size_t(T) * hidden, 0.f);
   std::vector<float> hbuf(inter);
   for (int t = 0; t < T; ++t) {
@@ -926,6 +940,21 @@ TEST(CudaPrefillMoe, MatchesCpuSkinnyTiles) {
   // Gate / up interleaved (the backend's layout), partly filled row blocks.
   run_moe_case(96, 32, 8, 2048, 512, false, true, 81, PrefillWeightFormat::Q4, 16, 0, false, 0, true);
   run_moe_case(50, 8, 2, 512, 768, true, false, 82, PrefillWeightFormat::Q4, 16, 3, true, 0, true);
+  // The schedule's three parts, by the wave set against the plan's tiles:
+  // two blocks a tile (parts of a tile); equal shares of all the units
+  // (1.15 tiles a block: runs that start and end inside a tile, blocks over
+  // two or three tiles); whole tiles in several waves (2.5 tiles a block).
+  // (The default wave leaves blocks with no unit where the plan has fewer
+  // tiles than its bound: the cases above.)
+  for (double per_block : {0.5, 1.15, 2.5}) {
+    SCOPED_TRACE(::testing::Message() << "tiles a block " << per_block);
+    g_tiles_per_block = per_block;
+    run_moe_case(300, 8, 2, 512, 256, false, true, 61, PrefillWeightFormat::Q4, 16);
+    run_moe_case(70, 8, 2, 256, 512, true, true, 62, PrefillWeightFormat::Q4, 16, 3, true);
+    run_moe_case(96, 32, 8, 2048, 512, false, true, 81, PrefillWeightFormat::Q4, 16, 0, false, 0, true);
+  }
+  g_tiles_per_block = 0;
+  prefill_set_moe_skinny_blocks(0);
 }
 
 // Runs of at most 16 tokens plan the routing in one block (moe_plan_kernel:
@@ -1768,7 +1797,7 @@ TEST(CudaPrefillBench, Moe) {
   // length / tile height (e.g. to profile one launch).
   const int only_t = std::getenv("LILY_MOE_BENCH_T") ? std::atoi(std::getenv("LILY_MOE_BENCH_T")) : 0;
   const int only_bm = std::getenv("LILY_MOE_BENCH_BM") ? std::atoi(std::getenv("LILY_MOE_BENCH_BM")) : 0;
-  for (int T : {256, 512, 1024, 2048, 4096, 16384})
+  for (int T : {256, 384, 512, 768, 1024, 2048, 4096, 16384})
   for (int bm : {16, 64, 128}) {
     if (bm == 16 && T > 1024) continue;
     if ((only_t && T != only_t) || (only_bm && bm != only_bm)) continue;

@@ -114,6 +114,11 @@ int prefill_moe_plan_rows();
 // form, one tile per expert, with the shared expert as one more tile where
 // PrefillMoeArgs carries its weights (default on; off: the 16-row MoE tiles).
 void prefill_set_moe_grouped(bool on);
+// The 16-row skinny MoE kernel (under 32 routed rows an expert: 97..1,023
+// prompt tokens of Qwen3.6) spreads the plan's tiles over a wave of blocks;
+// blocks > 0 sets the wave (tests: blocks that take several tiles), 0
+// restores the default (two blocks an SM).
+void prefill_set_moe_skinny_blocks(int blocks);
 // Launches over such runs go with the programmatic-dependent-launch
 // attribute (each kernel waits for its predecessor before touching its
 // data; weights are requested before): prefill_pdl(T) says whether a

@@ -154,6 +154,7 @@ struct GemmParams {
   int* split_count;   // split-K: blocks arrived per output tile (0 between GEMMs)
   int nparts;         // plain GEMMs: matrices in this launch (0 or 1: p's own only)
   GemmPart part[kGemmMaxParts];
+  int sk_wave = 0;    // the skinny MoE (KS = 1): the blocks of one wave
 };
 
 constexpr int kBN = 128;  // weight rows per block tile
@@ -668,16 +669,16 @@ void launch_gemm(PrefillWeightFormat fmt, const GemmParams& p, int bm, bool swig
 // same way, so the B fragment is one 8-byte load. Only the tile's x rows go
 // through shared memory (loaded once, rows 2K + 8 bytes apart: the 8-byte
 // fragment loads are conflict-free), with each group's sum of x. Weights
-// stream once per tile, like the decode matvecs. A block takes up to
-// kSkChunks column chunks of its tile one after the other, staging x once
-// (a block a chunk restaged the tile's x rows for every 128 / 256 output
-// columns: in one binary the MoE at T = 256 took 0.311 ms that way, 0.262
-// with 4 chunks; H100). Needs K %
-// 256 == 0 (4 groups per turn of the register ring).
+// stream once per tile, like the decode matvecs. A block takes a run of
+// column chunks of one tile (or two) with the tile's x rows staged once a
+// run (a block a chunk restaged them for every 128 / 256 output columns:
+// 0.311 ms for the MoE at T = 256 against 0.262 with 4 chunks a block;
+// H100); which runs, see the kernel. Needs K % 256 == 0 (4 groups per turn
+// of the register ring).
 constexpr int kSkRows = 16;  // token rows per tile
 constexpr int kSkWarps = 8;
 constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
-constexpr int kSkChunks = 4;  // column chunks a block (one staging of x for them)
+int g_moe_skinny_blocks = 0;  // blocks of a KS = 1 launch (0: two per SM)
 constexpr int kSkMaxSmem = 100 * 1024;  // the x tile (16 rows of 2K + 8 bytes) and its group sums
 
 template <int BYTE>
@@ -748,180 +749,242 @@ __device__ __forceinline__ uint32_t raw_pair(uint32_t w) {
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w));  // (w & m) | c
   return r;
 }
+// A quad's 32 bytes of a weight row (a quarter of an L2 line; the next
+// quarter is read one group later), and a scale word, with the L2 fetching
+// the whole 128-byte line from DRAM at the first touch (in one binary, H100:
+// the MoE at T = 256 / 512 0.291 / 0.428 -> 0.273 / 0.384 ms; 256 bytes no
+// better).
+__device__ __forceinline__ uint2 ld_w2_l2line(const uint2* p) {
+  uint2 r;
+  asm("ld.global.nc.L2::128B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ld_w1_l2line(const uint32_t* p) {
+  uint32_t r;
+  asm("ld.global.nc.L2::128B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
 template <bool SWIGLU, int KS>
 __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kernel(const GemmParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x;
-  if (tile >= *p.num_tiles) return;
-  const int expert = p.tile_expert[tile], m0 = p.tile_row0[tile], rows_valid = p.tile_rows[tile];
   const int K = p.K, ldxs = K + 4, KG = K / 64;
   const int wt = warp / KS, kbeg = (warp % KS) * (KG / KS), kend = kbeg + KG / KS;
-
-  // This thread's 4 weight rows: fragment rows g and g + 8 of two m16 tiles
-  // (SwiGLU: the same 16 gate rows and up rows, so gate and up of an output
-  // meet in one thread), in column chunk blockIdx.y + c gridDim.y for c =
-  // 0, 1, ...: the block keeps its staged x over its chunks and the
-  // register ring runs on across them (group q of the warp's slice is
-  // group kbeg + q % KGs of chunk q / KGs). KS > 1 takes one chunk a block
-  // (its sums reuse the x tile's memory).
-  const int cols = (SWIGLU ? 16 : 32) * (kSkWarps / KS);
+  const int cols = (SWIGLU ? 16 : 32) * (kSkWarps / KS);  // outputs of a column chunk
+  const int chunks = (p.N + cols - 1) / cols;
   const int KGs = KG / KS;
-  const int nchunks = ((p.N + cols - 1) / cols - int(blockIdx.y) + int(gridDim.y) - 1) / int(gridDim.y);
-  const int Q = nchunks * KGs;
-  // The first output column of the block's chunk c.
-  auto chunk_col0 = [&](int c) { return (int(blockIdx.y) + c * int(gridDim.y)) * cols; };
-  int col_in[4];
-  const uint8_t* wbase[4];
-  const uint32_t* sbase[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int mt = i >> 1, hh = i & 1;
-    if (SWIGLU) {
-      col_in[i] = 16 * wt + g + 8 * hh;
-      wbase[i] = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes + 8 * t;
-      sbase[i] = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
+
+  // The block's units of work, (tile, column chunk) numbered tile by tile,
+  // in runs of consecutive chunks of one tile: the x rows are staged once a
+  // run and the register ring runs on across its chunks (group q of the
+  // warp's slice of a run is group kbeg + q % KGs of its chunk q / KGs).
+  // With KS > 1 a block takes one unit, (blockIdx.x, blockIdx.y).
+  int u, u_end;
+  if constexpr (KS > 1) {
+    if (int(blockIdx.x) >= *p.num_tiles) return;
+    u = int(blockIdx.x) * chunks + int(blockIdx.y);
+    u_end = u + 1;
+  } else {
+    // KS = 1, over the plan's tiles (known only here) and the blocks of one
+    // wave P (two an SM): where the tiles fit the wave, a block takes a
+    // whole tile or an equal part of one (at most 4 chunks); from 1.3 waves
+    // of tiles on, the same in several waves: the blocks of an expert's
+    // tiles then run side by side, so its weights come from DRAM about once
+    // (43% of the experts take two tiles at 512 tokens); between the two
+    // (~300-450 tokens), where a second wave would run a few blocks alone,
+    // the wave's blocks take equal shares of all the units, most staging
+    // two tiles (H100, prefill 320 / 384 tokens +6.5%; at 512 the shares
+    // lost 2.6% to the waves).
+    const int tiles = *p.num_tiles, P = p.sk_wave, b = int(blockIdx.x);
+    const bool aligned = tiles <= P || 10 * tiles > 13 * P;
+    if (aligned) {
+      const int parts = max((chunks + 3) / 4, min(chunks, P / max(tiles, 1)));
+      const int tile = b / parts, j = b - tile * parts;
+      if (tile >= tiles) return;
+      u = tile * chunks + chunks * j / parts;
+      u_end = tile * chunks + chunks * (j + 1) / parts;
     } else {
-      col_in[i] = 32 * wt + 16 * mt + g + 8 * hh;
-      wbase[i] = p.w + size_t(expert) * p.expert_w_bytes + 8 * t;
-      sbase[i] = p.sb + size_t(expert) * p.expert_sb_words;
+      if (b >= P) return;
+      const long long units = static_cast<long long>(tiles) * chunks;
+      u = static_cast<int>(units * b / P);
+      u_end = static_cast<int>(units * (b + 1) / P);
     }
   }
-  uint2 cw[kSkRing][4];
-  uint32_t cs[kSkRing][4];
-  // (Rows past N read row 0 and groups past the last chunk its last one:
-  // their sums are never stored.)
-  auto load_group = [&](int q, uint2 (&c)[4], uint32_t (&sb)[4]) {
-    q = min(q, Q - 1);
-    const int ch = q / KGs, kg = kbeg + q - ch * KGs;
-    const int n0 = chunk_col0(ch);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int n = n0 + col_in[i] < p.N ? n0 + col_in[i] : 0;
-      c[i] = __ldg(reinterpret_cast<const uint2*>(wbase[i] + size_t(n) * p.w_row_stride + kg * 32));
-      sb[i] = __ldg(sbase[i] + size_t(n) * p.sb_row_stride + kg);
-    }
-  };
-#pragma unroll
-  for (int d = 0; d < kSkRing - 1; ++d) load_group(d, cw[d], cs[d]);
-
   // The group sums of x, [group][token], after the x rows.
   float* xsum = reinterpret_cast<float*>(smem + size_t(kSkRows) * (K * 2 + 8));
-  // The tile's x rows in the permuted order above (rows past rows_valid
-  // zeros), 8 inputs a thread, and each group's sum (8 lanes: one group
-  // of one row, K / 8 a multiple of 8).
-  const int cpr = K / 8;
-  for (int i = tid; i < kSkRows * cpr; i += kSkWarps * 32) {
-    const int r = i / cpr, c = i - r * cpr;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows_valid) {
-      const int src_row = p.a_rows ? p.a_rows[m0 + r] : m0 + r;
-      v = *reinterpret_cast<const uint4*>(p.x + size_t(src_row) * p.ldx + c * 8);
-    }
-    float sum = 0.f;
-    const uint32_t vw[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) sum += bf16_lo(vw[q]) + bf16_hi(vw[q]);
-    uint2* dst = reinterpret_cast<uint2*>(xs + r * ldxs + c * 8);
-    dst[0] = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
-    dst[1] = make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
-    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if ((c & 7) == 0) xsum[(c >> 3) * kSkRows + r] = sum;
-  }
-  __syncthreads();
-
-  float acc[2][2][4] = {};
   const bool f16 = p.sb_f16 != 0;
   uint16_t* y = static_cast<uint16_t*>(p.y);
-  for (int q0 = 0; q0 < Q; q0 += kSkRing) {
-    const int kg0 = kbeg + q0 % KGs;  // KGs a multiple of kSkRing: one chunk a turn
+  uint2 cw[kSkRing][4];
+  uint32_t cs[kSkRing][4];
+  for (bool first = true; u < u_end; first = false) {
+    const int tile = u / chunks, c0 = u - tile * chunks, nch = min(chunks - c0, u_end - u);
+    u += nch;
+    const int expert = p.tile_expert[tile], m0 = p.tile_row0[tile], rows_valid = p.tile_rows[tile];
+    const int Q = nch * KGs;
+
+    // This thread's 4 weight rows: fragment rows g and g + 8 of two m16
+    // tiles (SwiGLU: the same 16 gate rows and up rows, so gate and up of an
+    // output meet in one thread), at column (c0 + c) * cols + col_in[i] in
+    // the run's chunk c.
+    int col_in[4];
+    const uint8_t* wbase[4];
+    const uint32_t* sbase[4];
 #pragma unroll
-    for (int d = 0; d < kSkRing; ++d) {
-      const int kg = kg0 + d;
-      load_group(q0 + d + kSkRing - 1, cw[(d + kSkRing - 1) % kSkRing], cs[(d + kSkRing - 1) % kSkRing]);
-      // The group's sums of (128 + q) x: gs[mt][nt] as acc below.
-      float gs[2][2][4] = {};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // Step j's fragments (word j / 2, pairs 2 (j & 1) and + 1) of the 4
-        // rows: aj[mt] rows g (regs 0, 2) and g + 8 (regs 1, 3) of m-tile mt.
-        uint32_t aj[2][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t w = ((j >> 1) ? cw[d][i].y : cw[d][i].x) >> (8 * (j & 1));
-          aj[i >> 1][i & 1] = raw_pair(w);
-          aj[i >> 1][2 + (i & 1)] = raw_pair(w >> 4);
-        }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint2 b = *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * 64 + 16 * t + 4 * j);
-          mma_bf16(gs[0][nt], aj[0], b.x, b.y);
-          mma_bf16(gs[1][nt], aj[1], b.x, b.y);
-        }
+    for (int i = 0; i < 4; ++i) {
+      const int mt = i >> 1, hh = i & 1;
+      if (SWIGLU) {
+        col_in[i] = 16 * wt + g + 8 * hh;
+        wbase[i] = (mt ? p.w2 : p.w) + size_t(expert) * p.expert_w_bytes + 8 * t;
+        sbase[i] = (mt ? p.sb2 : p.sb) + size_t(expert) * p.expert_sb_words;
+      } else {
+        col_in[i] = 32 * wt + 16 * mt + g + 8 * hh;
+        wbase[i] = p.w + size_t(expert) * p.expert_w_bytes + 8 * t;
+        sbase[i] = p.sb + size_t(expert) * p.expert_sb_words;
       }
-      // Token 8 nt + 2 t + (e & 1)'s group sum; row i = 2 mt + (e >> 1)'s scale and bias.
-      const float2 x0 = *reinterpret_cast<const float2*>(xsum + kg * kSkRows + 2 * t);
-      const float2 x1 = *reinterpret_cast<const float2*>(xsum + kg * kSkRows + 8 + 2 * t);
-      float S[4], Bq[4];
+    }
+    // (Rows past N read row 0 and groups past the run's last chunk its
+    // last one: their sums are never stored.)
+    auto load_group = [&](int q, uint2 (&c)[4], uint32_t (&sb)[4]) {
+      q = min(q, Q - 1);
+      const int ch = q / KGs, kg = kbeg + q - ch * KGs;
+      const int n0 = (c0 + ch) * cols;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float2 sc = scale_bias(cs[d][i], f16 ? 1 : 0);
-        S[i] = sc.x;
-        Bq[i] = fmaf(-128.f, sc.x, sc.y);
+        const int n = n0 + col_in[i] < p.N ? n0 + col_in[i] : 0;
+        c[i] = ld_w2_l2line(reinterpret_cast<const uint2*>(wbase[i] + size_t(n) * p.w_row_stride + kg * 32));
+        sb[i] = ld_w1_l2line(sbase[i] + size_t(n) * p.sb_row_stride + kg);
       }
+    };
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 2 * mt + (e >> 1);
-            const float xg = nt ? (e & 1 ? x1.y : x1.x) : (e & 1 ? x0.y : x0.x);
-            acc[mt][nt][e] = fmaf(S[i], gs[mt][nt][e], fmaf(Bq[i], xg, acc[mt][nt][e]));
-          }
-    }
-    if (kg0 + kSkRing < kend) continue;
+    for (int d = 0; d < kSkRing - 1; ++d) load_group(d, cw[d], cs[d]);
 
-    if constexpr (KS > 1) {  // the slices' sums, in warp order, through the x tile's memory (one chunk)
-      float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
-      __syncthreads();
-      if (warp % KS != 0) {
+    if (!first) __syncthreads();  // every warp is done with the previous run's x rows
+    // The tile's x rows in the permuted order above (rows past rows_valid
+    // zeros), 8 inputs a piece, and each group's sum (8 lanes: one group of
+    // one row, K / 8 a multiple of 8); four pieces in flight a thread (16 K
+    // / 8 pieces: K % 256 == 0 makes them a multiple of 2 x 256, so a
+    // warp's lanes all take a piece or none).
+    const int cpr = K / 8;
+    for (int i0 = tid; i0 < kSkRows * cpr; i0 += 4 * kSkWarps * 32) {
+      uint4 v[4];
 #pragma unroll
-        for (int i = 0; i < 16; ++i) red[(warp * 16 + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
-      }
-      __syncthreads();
-      if (warp % KS != 0) return;
-#pragma unroll
-      for (int w = 1; w < KS; ++w)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((warp + w) * 16 + i) * 32 + lane];
-    }
-
-    // The chunk's outputs. acc[mt][nt][e]: weight row g + 8 (e >> 1) of
-    // m-tile mt, token 8 nt + 2t + (e & 1).
-    const int nb0 = chunk_col0(q0 / KGs);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = 8 * nt + 2 * t + (e & 1);
-        const float v0 = acc[0][nt][e], v1 = acc[1][nt][e];
-        acc[0][nt][e] = 0.f;
-        acc[1][nt][e] = 0.f;
-        if (tok >= rows_valid) continue;
-        uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
-        if constexpr (SWIGLU) {
-          const int col = nb0 + 16 * wt + g + 8 * (e >> 1);
-          if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(v0) * v1);
-        } else {
-          const int col = nb0 + 32 * wt + g + 8 * (e >> 1);
-          if (col < p.N) yr[col] = f32_to_bf16_bits(v0);
-          if (col + 16 < p.N) yr[col + 16] = f32_to_bf16_bits(v1);
+      for (int j = 0; j < 4; ++j) {
+        const int i = i0 + j * kSkWarps * 32, r = i / cpr, c = i - r * cpr;
+        v[j] = make_uint4(0, 0, 0, 0);
+        if (r < rows_valid) {  // (r < 16 too: rows_valid <= 16)
+          const int src_row = p.a_rows ? p.a_rows[m0 + r] : m0 + r;
+          v[j] = *reinterpret_cast<const uint4*>(p.x + size_t(src_row) * p.ldx + c * 8);
         }
       }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = i0 + j * kSkWarps * 32, r = i / cpr, c = i - r * cpr;
+        if (r >= kSkRows) break;  // K = 256 (mod 512): the last round's second half
+        float sum = 0.f;
+        const uint32_t vw[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) sum += bf16_lo(vw[q]) + bf16_hi(vw[q]);
+        uint2* dst = reinterpret_cast<uint2*>(xs + r * ldxs + c * 8);
+        dst[0] = make_uint2(__byte_perm(v[j].x, v[j].z, 0x5410), __byte_perm(v[j].x, v[j].z, 0x7632));
+        dst[1] = make_uint2(__byte_perm(v[j].y, v[j].w, 0x5410), __byte_perm(v[j].y, v[j].w, 0x7632));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if ((c & 7) == 0) xsum[(c >> 3) * kSkRows + r] = sum;
+      }
+    }
+    __syncthreads();
+
+    float acc[2][2][4] = {};
+    for (int q0 = 0; q0 < Q; q0 += kSkRing) {
+      const int kg0 = kbeg + q0 % KGs;  // KGs a multiple of kSkRing: one chunk a turn
+#pragma unroll
+      for (int d = 0; d < kSkRing; ++d) {
+        const int kg = kg0 + d;
+        load_group(q0 + d + kSkRing - 1, cw[(d + kSkRing - 1) % kSkRing], cs[(d + kSkRing - 1) % kSkRing]);
+        // The group's sums of (128 + q) x: gs[mt][nt] as acc below.
+        float gs[2][2][4] = {};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // Step j's fragments (word j / 2, pairs 2 (j & 1) and + 1) of the 4
+          // rows: aj[mt] rows g (regs 0, 2) and g + 8 (regs 1, 3) of m-tile mt.
+          uint32_t aj[2][4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint32_t w = ((j >> 1) ? cw[d][i].y : cw[d][i].x) >> (8 * (j & 1));
+            aj[i >> 1][i & 1] = raw_pair(w);
+            aj[i >> 1][2 + (i & 1)] = raw_pair(w >> 4);
+          }
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const uint2 b = *reinterpret_cast<const uint2*>(xs + (8 * nt + g) * ldxs + kg * 64 + 16 * t + 4 * j);
+            mma_bf16(gs[0][nt], aj[0], b.x, b.y);
+            mma_bf16(gs[1][nt], aj[1], b.x, b.y);
+          }
+        }
+        // Token 8 nt + 2 t + (e & 1)'s group sum; row i = 2 mt + (e >> 1)'s scale and bias.
+        const float2 x0 = *reinterpret_cast<const float2*>(xsum + kg * kSkRows + 2 * t);
+        const float2 x1 = *reinterpret_cast<const float2*>(xsum + kg * kSkRows + 8 + 2 * t);
+        float S[4], Bq[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 sc = scale_bias(cs[d][i], f16 ? 1 : 0);
+          S[i] = sc.x;
+          Bq[i] = fmaf(-128.f, sc.x, sc.y);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = 2 * mt + (e >> 1);
+              const float xg = nt ? (e & 1 ? x1.y : x1.x) : (e & 1 ? x0.y : x0.x);
+              acc[mt][nt][e] = fmaf(S[i], gs[mt][nt][e], fmaf(Bq[i], xg, acc[mt][nt][e]));
+            }
+      }
+      if (kg0 + kSkRing < kend) continue;
+
+      if constexpr (KS > 1) {  // the slices' sums, in warp order, through the x tile's memory (one unit)
+        float* red = reinterpret_cast<float*>(smem);  // [warp][16][32]
+        __syncthreads();
+        if (warp % KS != 0) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) red[(warp * 16 + i) * 32 + lane] = acc[i >> 3][(i >> 2) & 1][i & 3];
+        }
+        __syncthreads();
+        if (warp % KS != 0) return;
+#pragma unroll
+        for (int w = 1; w < KS; ++w)
+#pragma unroll
+          for (int i = 0; i < 16; ++i) acc[i >> 3][(i >> 2) & 1][i & 3] += red[((warp + w) * 16 + i) * 32 + lane];
+      }
+
+      // The chunk's outputs. acc[mt][nt][e]: weight row g + 8 (e >> 1) of
+      // m-tile mt, token 8 nt + 2t + (e & 1).
+      const int nb0 = (c0 + q0 / KGs) * cols;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = 8 * nt + 2 * t + (e & 1);
+          const float v0 = acc[0][nt][e], v1 = acc[1][nt][e];
+          acc[0][nt][e] = 0.f;
+          acc[1][nt][e] = 0.f;
+          if (tok >= rows_valid) continue;
+          uint16_t* yr = y + size_t(m0 + tok) * p.ldy;
+          if constexpr (SWIGLU) {
+            const int col = nb0 + 16 * wt + g + 8 * (e >> 1);
+            if (col < p.N) yr[col] = f32_to_bf16_bits(p_silu(v0) * v1);
+          } else {
+            const int col = nb0 + 32 * wt + g + 8 * (e >> 1);
+            if (col < p.N) yr[col] = f32_to_bf16_bits(v0);
+            if (col + 16 < p.N) yr[col + 16] = f32_to_bf16_bits(v1);
+          }
+        }
+    }
   }
 }
 
@@ -946,27 +1009,32 @@ void launch_moe_skinny_t(const GemmParams& p, dim3 grid, size_t smem, cudaStream
   check_launch("prefill MoE skinny kernel");
 }
 
-// A run with few tiles (the grid under two blocks per SM at most): K over 4
-// or 2 warps, where a warp's share keeps a whole turn of the register ring.
+// KS = 1: the tiles' column chunks over the blocks of one wave (two an SM,
+// or prefill_set_moe_skinny_blocks) or in whole-tile runs (the kernel
+// decides, from the plan's tile count). A launch with fewer units than the
+// wave: K over 4 or 2 warps, where a warp's share keeps a whole turn of
+// the register ring, a unit a block.
 void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStream_t s) {
   const int KG = p.K / 64;
   const int cols1 = (swiglu ? 16 : 32) * kSkWarps;
-  const bool few = size_t(max_tiles) * ((p.N + cols1 - 1) / cols1) < size_t(2 * sm_count());
-  const int ks = !few ? 1 : (KG / 4) % kSkRing == 0 ? 4 : (KG / 2) % kSkRing == 0 ? 2 : 1;
+  const size_t wave = g_moe_skinny_blocks > 0 ? size_t(g_moe_skinny_blocks) : size_t(2 * sm_count());
+  const size_t units1 = size_t(max_tiles) * ((p.N + cols1 - 1) / cols1);
+  const int ks = units1 >= wave ? 1 : (KG / 4) % kSkRing == 0 ? 4 : (KG / 2) % kSkRing == 0 ? 2 : 1;
   // The x rows and their group sums (the K split's sums reuse the rows' room).
   const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0) +
                       size_t(p.K / 64) * kSkRows * 4;
-  const int cols = cols1 / ks;
-  const int chunks = (p.N + cols - 1) / cols;
-  const dim3 grid(max_tiles, ks > 1 ? chunks : (chunks + kSkChunks - 1) / kSkChunks);
+  const int chunks = (p.N + cols1 / ks - 1) / (cols1 / ks);
+  const dim3 grid = ks > 1 ? dim3(max_tiles, chunks) : dim3(unsigned(std::max(std::min(units1, wave), size_t(max_tiles) * ((chunks + 3) / 4))));
+  GemmParams q = p;
+  q.sk_wave = int(std::min(wave, size_t(grid.x)));
   if (swiglu)
-    ks == 4 ? launch_moe_skinny_t<true, 4>(p, grid, smem, s)
-    : ks == 2 ? launch_moe_skinny_t<true, 2>(p, grid, smem, s)
-              : launch_moe_skinny_t<true, 1>(p, grid, smem, s);
+    ks == 4 ? launch_moe_skinny_t<true, 4>(q, grid, smem, s)
+    : ks == 2 ? launch_moe_skinny_t<true, 2>(q, grid, smem, s)
+              : launch_moe_skinny_t<true, 1>(q, grid, smem, s);
   else
-    ks == 4 ? launch_moe_skinny_t<false, 4>(p, grid, smem, s)
-    : ks == 2 ? launch_moe_skinny_t<false, 2>(p, grid, smem, s)
-              : launch_moe_skinny_t<false, 1>(p, grid, smem, s);
+    ks == 4 ? launch_moe_skinny_t<false, 4>(q, grid, smem, s)
+    : ks == 2 ? launch_moe_skinny_t<false, 2>(q, grid, smem, s)
+              : launch_moe_skinny_t<false, 1>(q, grid, smem, s);
 }
 
 // ---- Skinny dense GEMM (q4 / q8 weights, runs of <= 16 rows) -------------------
@@ -1850,6 +1918,11 @@ void prefill_set_skinny_rows(int rows) {
 
 void prefill_set_moe_grouped(bool on) { g_moe_grouped = on; }
 
+void prefill_set_moe_skinny_blocks(int blocks) {
+  if (blocks < 0) fail("prefill_set_moe_skinny_blocks: blocks (", blocks, ") must be >= 0");
+  g_moe_skinny_blocks = blocks;
+}
+
 void prefill_set_pdl(bool on) { g_prefill_pdl = on; }
 
 bool prefill_pdl(int T) { return g_prefill_pdl && T <= g_skinny_max_rows; }
@@ -2262,7 +2335,7 @@ void run_moe(const PrefillMoeArgs& a, cudaStream_t stream, cudaEvent_t* ev) {
   const int rows_per_expert = n / a.E;
   const int bm = a.tile_rows                                  ? a.tile_rows
                  : grouped                                   ? grouped_rows()
-                 : skinny_ok && rows_per_expert <= 16        ? kSkRows
+                 : skinny_ok && rows_per_expert < 32         ? kSkRows
                  : rows_per_expert >= 32                     ? 128
                                                              : 64;
   const int max_tiles = n / bm + std::min(a.E, n) + (fuse_sh ? 1 + (a.T + bm - 1) / bm : 1);
