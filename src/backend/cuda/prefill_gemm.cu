@@ -155,6 +155,7 @@ struct GemmParams {
   int nparts;         // plain GEMMs: matrices in this launch (0 or 1: p's own only)
   GemmPart part[kGemmMaxParts];
   int sk_wave = 0;    // the skinny MoE (KS = 1): the blocks of one wave
+  int l2_fetch = 0;   // the skinny MoE's weight loads (ld_weights)
 };
 
 constexpr int kBN = 128;  // weight rows per block tile
@@ -749,19 +750,33 @@ __device__ __forceinline__ uint32_t raw_pair(uint32_t w) {
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w));  // (w & m) | c
   return r;
 }
-// A quad's 32 bytes of a weight row (a quarter of an L2 line; the next
-// quarter is read one group later), and a scale word, with the L2 fetching
-// the whole 128-byte line from DRAM at the first touch (in one binary, H100:
-// the MoE at T = 256 / 512 0.291 / 0.428 -> 0.273 / 0.384 ms; 256 bytes no
-// better).
-__device__ __forceinline__ uint2 ld_w2_l2line(const uint2* p) {
-  uint2 r;
-  asm("ld.global.nc.L2::128B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+// A weight load with an L2 prefetch size (l2_fetch: 0 none, 1 128 bytes, 2
+// 256 bytes). The skinny kernels' quads read a part of a row's L2 line a
+// step (the dense skinny GEMM 64 bytes a unit, the skinny MoE 32 bytes a
+// group) and the rest a DRAM round trip later; the hint has the L2 fetch
+// the whole line (or two) from DRAM at the first touch.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p, int l2_fetch) {
+  uint4 r;
+  if (l2_fetch == 2)
+    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else if (l2_fetch == 1)
+    asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  else
+    r = __ldg(p);
   return r;
 }
-__device__ __forceinline__ uint32_t ld_w1_l2line(const uint32_t* p) {
+__device__ __forceinline__ uint2 ld_weights(const uint2* p, int l2_fetch) {
+  uint2 r;
+  if (l2_fetch == 2) asm("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  else if (l2_fetch == 1) asm("ld.global.nc.L2::128B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  else r = __ldg(p);
+  return r;
+}
+__device__ __forceinline__ uint32_t ld_weights(const uint32_t* p, int l2_fetch) {
   uint32_t r;
-  asm("ld.global.nc.L2::128B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  if (l2_fetch == 2) asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  else if (l2_fetch == 1) asm("ld.global.nc.L2::128B.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  else r = __ldg(p);
   return r;
 }
 
@@ -853,8 +868,8 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int n = n0 + col_in[i] < p.N ? n0 + col_in[i] : 0;
-        c[i] = ld_w2_l2line(reinterpret_cast<const uint2*>(wbase[i] + size_t(n) * p.w_row_stride + kg * 32));
-        sb[i] = ld_w1_l2line(sbase[i] + size_t(n) * p.sb_row_stride + kg);
+        c[i] = ld_weights(reinterpret_cast<const uint2*>(wbase[i] + size_t(n) * p.w_row_stride + kg * 32), p.l2_fetch);
+        sb[i] = ld_weights(sbase[i] + size_t(n) * p.sb_row_stride + kg, p.l2_fetch);
       }
     };
 #pragma unroll
@@ -996,6 +1011,23 @@ bool moe_skinny_fits(const PrefillMoeArgs& a) {
              size_t(kSkMaxSmem);
 }
 
+// An L2 fetch size for ld_weights (0, 1: 128 bytes, 2: 256 bytes) from an
+// experiment's environment variable, `fallback` where it is unset.
+int l2_fetch_env(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  const int f = e ? std::atoi(e) : fallback;
+  return f == 1 || f == 2 ? f : 0;
+}
+
+// GemmParams::l2_fetch of the skinny MoE: 128 bytes (LILY_CUDA_SKINNY_MOE_L2
+// = 0|1|2 for experiments). In one binary (H100) the MoE at T = 256 / 512
+// took 0.301 / 0.433 ms without, 0.275 / 0.393 with 128 bytes, 0.279 /
+// 0.395 with 256; the prefill 3-6% longer without at 97-640 tokens.
+int moe_skinny_l2_fetch() {
+  static const int v = l2_fetch_env("LILY_CUDA_SKINNY_MOE_L2", 1);
+  return v;
+}
+
 template <bool SWIGLU, int KS>
 void launch_moe_skinny_t(const GemmParams& p, dim3 grid, size_t smem, cudaStream_t s) {
   static const bool attr_ok = [] {  // once per kernel
@@ -1027,6 +1059,7 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   const dim3 grid = ks > 1 ? dim3(max_tiles, chunks) : dim3(unsigned(std::max(std::min(units1, wave), size_t(max_tiles) * ((chunks + 3) / 4))));
   GemmParams q = p;
   q.sk_wave = int(std::min(wave, size_t(grid.x)));
+  q.l2_fetch = moe_skinny_l2_fetch();
   if (swiglu)
     ks == 4 ? launch_moe_skinny_t<true, 4>(q, grid, smem, s)
     : ks == 2 ? launch_moe_skinny_t<true, 2>(q, grid, smem, s)
@@ -1113,26 +1146,6 @@ struct SkinnyParams {
   int l2_fetch;  // the weight loads' L2 prefetch size: 0 the default, 1 128 bytes, 2 256 bytes
 };
 
-// A weight load with an L2 prefetch size (SkinnyParams::l2_fetch): a quad
-// reads 64 bytes of a row per unit, half an L2 line; the hint has the L2
-// fetch the whole line (or two) from DRAM at once.
-__device__ __forceinline__ uint4 ld_weights(const uint4* p, int l2_fetch) {
-  uint4 r;
-  if (l2_fetch == 2)
-    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  else if (l2_fetch == 1)
-    asm("ld.global.nc.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  else
-    r = __ldg(p);
-  return r;
-}
-__device__ __forceinline__ uint32_t ld_weights(const uint32_t* p, int l2_fetch) {
-  uint32_t r;
-  if (l2_fetch == 2) asm("ld.global.nc.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  else if (l2_fetch == 1) asm("ld.global.nc.L2::128B.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  else r = __ldg(p);
-  return r;
-}
 
 GemmParams base_params(const PrefillWeight& w);
 
@@ -1328,11 +1341,7 @@ SkinnyPart skinny_part(const PrefillWeight& w, int col0, int block0) {
 // experiments). Runs of 2..16 tokens 3-8% shorter with one wave below
 // (H100, docs/cuda-prefill.md "Short runs, round 3").
 int skinny_l2_fetch() {
-  static const int v = [] {
-    const char* e = std::getenv("LILY_CUDA_SKINNY_L2");
-    const int f = e ? std::atoi(e) : 2;
-    return f == 1 || f == 2 ? f : 0;
-  }();
+  static const int v = l2_fetch_env("LILY_CUDA_SKINNY_L2", 2);
   return v;
 }
 
