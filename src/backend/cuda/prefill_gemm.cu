@@ -17,8 +17,9 @@
 // permutation index while loading, and the expert's weights are found by
 // stride. SwiGLU mode: the block's 128 weight rows are 64 gate rows and the 64
 // matching up rows, and the epilogue writes silu(gate) * up as bf16. Experts
-// with <= 16 rows on average take the skinny kernel instead (weights as the
-// MMA's A operand, expanded in registers; see moe_skinny_kernel).
+// with under 32 rows on average take the skinny kernel instead (16-row tiles,
+// weights as the MMA's A operand, expanded in registers; see
+// moe_skinny_kernel).
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -680,6 +681,7 @@ constexpr int kSkRows = 16;  // token rows per tile
 constexpr int kSkWarps = 8;
 constexpr int kSkRing = 4;   // groups in flight per thread (3 ahead)
 int g_moe_skinny_blocks = 0;  // blocks of a KS = 1 launch (0: two per SM)
+constexpr int kSkTileRun = 4;  // at most this many column chunks a block where blocks take parts of a tile
 constexpr int kSkMaxSmem = 100 * 1024;  // the x tile (16 rows of 2K + 8 bytes) and its group sums
 
 template <int BYTE>
@@ -815,7 +817,7 @@ __global__ void __launch_bounds__(kSkWarps * 32, KS > 1 ? 1 : 2) moe_skinny_kern
     const int tiles = *p.num_tiles, P = p.sk_wave, b = int(blockIdx.x);
     const bool aligned = tiles <= P || 10 * tiles > 13 * P;
     if (aligned) {
-      const int parts = max((chunks + 3) / 4, min(chunks, P / max(tiles, 1)));
+      const int parts = max((chunks + kSkTileRun - 1) / kSkTileRun, min(chunks, P / max(tiles, 1)));
       const int tile = b / parts, j = b - tile * parts;
       if (tile >= tiles) return;
       u = tile * chunks + chunks * j / parts;
@@ -1056,7 +1058,9 @@ void launch_moe_skinny(const GemmParams& p, bool swiglu, int max_tiles, cudaStre
   const size_t smem = std::max(size_t(kSkRows) * (p.K * 2 + 8), ks > 1 ? size_t(kSkWarps) * 16 * 32 * 4 : 0) +
                       size_t(p.K / 64) * kSkRows * 4;
   const int chunks = (p.N + cols1 / ks - 1) / (cols1 / ks);
-  const dim3 grid = ks > 1 ? dim3(max_tiles, chunks) : dim3(unsigned(std::max(std::min(units1, wave), size_t(max_tiles) * ((chunks + 3) / 4))));
+  // (KS = 1: enough blocks for either form of the schedule; the extra ones return at once.)
+  const size_t tile_parts = size_t(max_tiles) * ((chunks + kSkTileRun - 1) / kSkTileRun);
+  const dim3 grid = ks > 1 ? dim3(max_tiles, chunks) : dim3(unsigned(std::max(std::min(units1, wave), tile_parts)));
   GemmParams q = p;
   q.sk_wave = int(std::min(wave, size_t(grid.x)));
   q.l2_fetch = moe_skinny_l2_fetch();
