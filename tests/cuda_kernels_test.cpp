@@ -1403,6 +1403,98 @@ TEST(CudaResidentProbe, RowsMatchTheHostTwin) {
                Error);  // 200 KB of shared memory
 }
 
+// The persistent probe (lily bench --persistent): a chain of stages in one
+// launch, the weights streamed through the ring ahead of the chain, against
+// a host twin of every stage in turn (each stage's x is the previous stage's
+// output: a stage that read a stale x, a slot read before its copy landed
+// or after it was refilled, or a wrong slice would show). Stages of rows
+// that are not a multiple of the 16-row slot or of the warps, two routed
+// ones, rings of 2 (every slot refilled many times), 5 and 13 slots, and
+// each routed mode.
+TEST(CudaPersistentProbe, ChainMatchesTheHostTwin) {
+  LILY_SKIP_WITHOUT_GPU();
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int N = 2048, min_rows = (N + sms - 1) / sms;
+  if (min_rows > 128) GTEST_SKIP() << "fewer than 16 SMs";
+  std::mt19937 rng(47);
+  std::vector<int2> st;
+  for (int2 v : {int2{16, 0}, int2{31, 0}, int2{93, 0}, int2{20, 1}, int2{45, 0}, int2{128, 0}, int2{17, 1}})
+    st.push_back(make_int2(std::max(v.x, min_rows), v.y));
+  size_t total = 0;
+  for (int2 v : st) total += size_t(v.x) * sms;
+  std::vector<uint8_t> wh(total * 1024);
+  for (auto& b : wh) b = static_cast<uint8_t>(rng() & 0xff);
+  auto x0 = random_vec(N, rng);
+  for (int i = 0; i < N; i += 89) x0[i] *= 30.f;  // outliers set their chunks' scales
+  // Host twin, stage by stage.
+  std::vector<float> x = x0;
+  size_t off = 0;
+  for (int2 v : st) {
+    double ss = 0;
+    for (float e : x) ss += double(e) * e;
+    const double scale = 1.0 / std::sqrt(ss / N + 1e-6);
+    std::vector<int> c(N);
+    std::vector<float> cs(N / 32);
+    for (int k = 0; k < N / 32; ++k) {
+      float m = 0.f;
+      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x[32 * k + i]));
+      const float inv = m > 0.f ? 32512.f / m : 0.f;
+      for (int i = 0; i < 32; ++i) c[32 * k + i] = int(std::nearbyint(x[32 * k + i] * inv));
+      cs[k] = m / 32512.f;
+    }
+    std::vector<float> y(N);
+    for (int o = 0; o < N; ++o) {
+      const uint8_t* row = wh.data() + off + size_t(o) * 1024;
+      double d = 0;
+      for (int p = 0; p < 64; ++p) {
+        long q = 0;
+        for (int j = 0; j < 16; ++j)
+          q += long(row[16 * p + j] & 15) * c[32 * p + j] + long(row[16 * p + j] >> 4) * c[32 * p + 16 + j];
+        d += double(q) * cs[p];
+      }
+      y[o] = float(0.5 * x[o] + 1e-3 * d * scale);
+    }
+    x = y;
+    off += size_t(v.x) * sms * 1024;
+  }
+  auto w = to_device(wh);
+  auto a = to_device(x0);
+  DeviceBuffer stages(st.size() * sizeof(int2)), counter(16), marks(size_t(sms) * 32);
+  ASSERT_EQ(cudaMemcpy(stages.get(), st.data(), stages.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  const int last = static_cast<int>(st.size()) - 1;
+  for (int slots : {2, 5, 13})
+    for (int mode : {0, 1, 3}) {
+      SCOPED_TRACE("slots " + std::to_string(slots) + " mode " + std::to_string(mode));
+      auto b = poisoned(2 * N);
+      cuda::launch_persistent_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), stages.as<int2>(), st.data(),
+                                    static_cast<int>(st.size()), slots, mode, counter.as<unsigned>(),
+                                    mode == 3 ? marks.as<unsigned long long>() : nullptr, nullptr);
+      const auto out = to_host<float>(b, 2 * N);
+      double worst = 0;
+      for (int o = 0; o < N; ++o)
+        worst = std::max(worst, std::fabs(double(out[size_t(last & 1) * N + o]) - x[o]) / (1.0 + std::fabs(x[o])));
+      EXPECT_LT(worst, 1e-4);
+      EXPECT_EQ(to_host<unsigned>(counter, 1)[0], unsigned(st.size()) * unsigned(sms));
+    }
+  // Without the dependency (timing only) it runs to the end.
+  auto b = poisoned(2 * N);
+  cuda::launch_persistent_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), stages.as<int2>(), st.data(),
+                                static_cast<int>(st.size()), 3, 4, counter.as<unsigned>(), nullptr, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<int2> bad = st;
+  bad[2].x = 129;
+  EXPECT_THROW(cuda::launch_persistent_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), stages.as<int2>(),
+                                             bad.data(), static_cast<int>(bad.size()), 5, 0, counter.as<unsigned>(),
+                                             nullptr, nullptr),
+               Error);
+  EXPECT_THROW(cuda::launch_persistent_probe(a.as<float>(), b.as<float>(), w.as<uint4>(), stages.as<int2>(), st.data(),
+                                             static_cast<int>(st.size()), 14, 0, counter.as<unsigned>(), nullptr,
+                                             nullptr),
+               Error);
+}
+
 TEST(CudaEmbed, LookupMatchesCpuDequantization) {
   LILY_SKIP_WITHOUT_GPU();
   std::mt19937 rng(21);

@@ -104,6 +104,7 @@ struct Setup {
   bool profile = false;
   bool trace = false;
   bool handover = false;  // --handover: the hand-over probe (cuda)
+  bool persistent = false;  // --persistent: the persistent probe (cuda)
 };
 
 // FLOPs of a prefill of n tokens from an empty cache (multiply-adds x 2).
@@ -366,6 +367,61 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
       }
       j["resident_chain"] = cj;
     }
+  }
+  if (s.persistent) {
+    // The persistent probe: a 4K step's 210 dependent matvec-shaped stages
+    // (the resident chain's sizes, 2 blocks' worth per SM) in one launch of
+    // one block per SM, the weights streamed through a shared-memory ring
+    // ahead of the chain, the stages ordered by a global counter
+    // (docs/cuda-decode.md, "v28").
+    using PS = cuda::CudaBackend::PersistentStage;
+    const std::vector<PS> dn = {{93, false}, {16, false}, {31, false}, {80, true}, {35, false}};
+    const std::vector<PS> at = {{78, false}, {62, false}, {16, false}, {35, false}, {80, true}, {35, false}};
+    std::vector<PS> step, flat16, flat32;
+    for (int l = 0; l < 40; ++l)
+      for (const PS& p : (l % 4 == 3 ? at : dn)) step.push_back(p);
+    for (size_t i = 0; i < step.size(); ++i) {
+      flat16.push_back({16, false});
+      flat32.push_back({32, false});
+    }
+    struct PRung {
+      const char* name;
+      const std::vector<PS>* chain;
+      int slots, mode;
+    };
+    const PRung pr[] = {{"step, 13 slots, routed after the stage + selection", &step, 13, 3},
+                        {"step, 13 slots, routed after the stage", &step, 13, 1},
+                        {"step, 13 slots, every copy ahead", &step, 13, 0},
+                        {"step, 8 slots, routed after the stage + selection", &step, 8, 3},
+                        {"step, 4 slots, routed after the stage + selection", &step, 4, 3},
+                        {"step, 13 slots, no dependency", &step, 13, 4},
+                        {"210 x 16 rows, 13 slots", &flat16, 13, 0},
+                        {"210 x 16 rows, no dependency", &flat16, 13, 4},
+                        {"210 x 32 rows, 13 slots", &flat32, 13, 0}};
+    nlohmann::ordered_json pj = nlohmann::ordered_json::array();
+    std::printf("persistent probe (one launch, one block per SM, 210 dependent stages; us per chain, and per block "
+                "(medians, us per chain): waiting for the previous stage, for weights, the producer for a free "
+                "slot, the block's span):\n");
+    std::printf("  %-52s %7s %8s %7s %6s %8s %8s %8s %8s\n", "chain", "MB", "us", "us/stg", "TB/s", "dep", "weights",
+                "ring", "span");
+    for (const PRung& q : pr) {
+      const auto r = b->persistent_probe(*q.chain, q.slots, q.mode);
+      const double per = r.us / double(q.chain->size());
+      std::printf("  %-52s %7.1f %8.1f %7.2f %6.2f %8.1f %8.1f %8.1f %8.1f\n", q.name, r.mb, r.us, per,
+                  r.mb / r.us, r.dep_wait_us, r.weight_wait_us, r.ring_wait_us, r.block_us);
+      pj.push_back({{"chain", q.name}, {"mb", r.mb}, {"us", r.us}, {"us_per_stage", per},
+                    {"dep_wait_us", r.dep_wait_us}, {"weight_wait_us", r.weight_wait_us},
+                    {"ring_wait_us", r.ring_wait_us}, {"block_us", r.block_us}});
+    }
+    // The same step as resident launches (v20's best routed rung) beside it.
+    using RL = cuda::CudaBackend::ResidentLaunch;
+    std::vector<RL> res;
+    for (const PS& p : step) res.push_back({p.rows, 1, p.routed ? (3 | 128) : 1});
+    const double rus = b->resident_chain_us(res, 512);
+    std::printf("  %-52s %7s %8.1f %7.2f\n", "resident launches, routed after a selection (v20)", "", rus,
+                rus / double(res.size()));
+    pj.push_back({{"chain", "resident launches, routed after a selection (v20)"}, {"us", rus}});
+    j["persistent_probe"] = pj;
   }
   std::printf("device: %s   model: %s   weights on device: %.2f GB   launches/step: %d\n",
               j["device"].get<std::string>().c_str(), s.model_desc.c_str(), b->weight_bytes() / 1e9,
@@ -1069,7 +1125,7 @@ int cmd_bench(int argc, char** argv) {
          {"--model", "--synthetic", "--ctx", "--backend", "--tokens", "--warmup", "--repeats", "--kv",
           "--json", "--seed", "--threads", "--prefill", "--reuse", "--reuse-suffix", "--reuse-requests", "--draft",
           "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer", "--logprobs"},
-         {"--profile", "--trace", "--handover", "--sampling", "--json-object"});
+         {"--profile", "--trace", "--handover", "--persistent", "--sampling", "--json-object"});
   Setup s;
   s.backend = a.str("--backend", default_backend_kind());
   s.cpu_act = a.str("--cpu-act", "auto");
@@ -1082,6 +1138,7 @@ int cmd_bench(int argc, char** argv) {
   s.profile = a.has("--profile");
   s.trace = a.has("--trace");
   s.handover = a.has("--handover");
+  s.persistent = a.has("--persistent");
   if (a.has("--model") == a.has("--synthetic")) fail("bench: give exactly one of --model DIR, --synthetic NAME");
   if (a.has("--draft") + a.has("--reuse") + a.has("--generate") + a.has("--sampling") > 1)
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");

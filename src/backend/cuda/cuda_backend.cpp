@@ -2351,6 +2351,50 @@ CudaBackend::ResidentProbe CudaBackend::resident_probe(int launches, int rows, i
   return r;
 }
 
+CudaBackend::PersistentProbe CudaBackend::persistent_probe(const std::vector<PersistentStage>& chain, int slots,
+                                                            int mode) {
+  Impl& m = *impl_;
+  int dev = 0, sms = 0;
+  LILY_CUDA(cudaGetDevice(&dev));
+  LILY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  std::vector<int2> st;
+  size_t rows = 0;
+  for (const PersistentStage& c : chain) {
+    st.push_back(make_int2(c.rows, c.routed ? 1 : 0));
+    rows += size_t(c.rows) * sms;
+  }
+  PersistentProbe r;
+  r.mb = double(rows) * 1024 / 1e6;
+  DeviceBuffer stages(st.size() * sizeof(int2)), x0(2048 * 4), buf(2 * 2048 * 4), counter(16), w(rows * 1024),
+      marks(size_t(sms) * 4 * 8);
+  LILY_CUDA(cudaMemcpy(stages.get(), st.data(), stages.bytes(), cudaMemcpyHostToDevice));
+  cuda::fill_random_f32(x0.as<float>(), 2048, -1.f, 1.f, 5, m.stream);
+  cuda::fill_random_u32(w.as<uint32_t>(), rows * 256, 11, m.stream);
+  auto launch = [&](unsigned long long* mk) {
+    cuda::launch_persistent_probe(x0.as<float>(), buf.as<float>(), w.as<uint4>(), stages.as<int2>(), st.data(),
+                                  static_cast<int>(st.size()), slots, mode, counter.as<unsigned>(), mk, m.stream);
+  };
+  cudaGraphExec_t exec = capture(m.stream, [&] { launch(nullptr); });
+  r.us = time_graph_ms(m.stream, exec, 10) * 1e3;
+  cudaGraphExecDestroy(exec);
+  launch(marks.as<unsigned long long>());
+  std::vector<unsigned long long> h(size_t(sms) * 4);
+  LILY_CUDA(cudaStreamSynchronize(m.stream));
+  LILY_CUDA(cudaMemcpy(h.data(), marks.get(), h.size() * 8, cudaMemcpyDeviceToHost));
+  const double mhz = cuda::measure_sm_clock_mhz(m.stream);
+  auto med = [&](int k) {
+    std::vector<double> v;
+    for (int b = 0; b < sms; ++b) v.push_back(double(h[size_t(b) * 4 + k]) / mhz);
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  r.dep_wait_us = med(0);
+  r.weight_wait_us = med(1);
+  r.block_us = med(2);
+  r.ring_wait_us = med(3);
+  return r;
+}
+
 CudaBackend::SampleTiming CudaBackend::sample_timing(const TokenSampling& s, int rows, int iters, uint64_t seed) {
   Impl& m = *impl_;
   const int V = m.c.vocab_size;

@@ -189,6 +189,20 @@ class CudaBackend : public Backend {
     int rows, per_sm, mode;
   };
   double resident_chain_us(const std::vector<ResidentLaunch>& chain, int threads);
+  // The persistent probe (launch_persistent_probe): a chain of stages (rows
+  // of 1 KB per block, routed or not) in one launch of one block per SM, the
+  // weights streamed through `slots` 16 KB ring slots ahead of the chain.
+  // us per chain, and from one more run the medians over the blocks of the
+  // time spent waiting for the previous stage, for weights, and the
+  // producer's wait for a free slot (us per chain).
+  struct PersistentStage {
+    int rows;
+    bool routed;
+  };
+  struct PersistentProbe {
+    double mb = 0, us = 0, dep_wait_us = 0, weight_wait_us = 0, ring_wait_us = 0, block_us = 0;
+  };
+  PersistentProbe persistent_probe(const std::vector<PersistentStage>& chain, int slots, int mode);
   // On-device sampling alone (bench): `rows` rows of random logits of the
   // model's vocabulary sampled with s, `iters` times; the median host time
   // of one call (upload of the adjustments, the launches, the result back)

@@ -421,6 +421,25 @@ void launch_handover_probe(const float* x, float* y, const uint4* w, int stage, 
 // staged, weights in, end.
 void launch_resident_probe(const float* x, float* y, const uint4* w, const float* rs, int rows, int blocks,
                            int threads, int xbits, int mode, unsigned long long* marks, cudaStream_t s, bool pdl);
+// The persistent probe (bench; docs/cuda-decode.md "v28"): a chain of
+// `nstages` dependent q4 matvecs (2048 inputs, stages[i].x rows of 1 KB per
+// block, 1..128, at least 2048 outputs over the grid; stages[i].y bit 0: a
+// routed stage) in one launch of one block per SM, each block streaming its
+// weight slices through `slots` (2..13) 16 KB shared-memory slots ahead of
+// the chain and the stages ordered by a global counter (*counter, zeroed by
+// the launch). w: stage after stage, each the grid's slices back to back
+// (block b's at b x rows x 1 KB). Stage i writes buf[(i & 1) 2048 + o] =
+// x[o] / 2 + 1e-3 dot(o) for o < 2048, x the previous stage's output (x0 for
+// the first): the dot of row o with the RMSNorm of x as 16-bit codes per
+// 32-input chunk, as the resident probe. mode bit 0: a routed stage's
+// copies wait until the previous stage is done; bit 1: then 3,000 SM clocks
+// more (the selection); bit 2: no dependency at all (every stage reads x0;
+// timing only). marks (optional, 4 per block): SM clocks spent waiting for
+// the previous stage, waiting for weights, in all, and the producer's wait
+// for a free slot. stages_dev: the same table in device memory.
+void launch_persistent_probe(const float* x0, float* buf, const uint4* w, const int2* stages_dev, const int2* stages,
+                             int nstages, int slots, int mode, unsigned* counter, unsigned long long* marks,
+                             cudaStream_t s);
 // SM clock in MHz while a one-thread kernel spins (cycles over globaltimer).
 double measure_sm_clock_mhz(cudaStream_t s);
 // One thread busy for `cycles` SM clocks (bench: launches queued behind it

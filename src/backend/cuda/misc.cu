@@ -403,6 +403,232 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   }
 }
 
+// The persistent probe (launch_persistent_probe): a decode step's chain of
+// dependent q4 matvecs (2048 inputs, rows of 1 KB) run by ONE launch of one
+// block per SM instead of a launch per matvec. Warp 8 of a block streams the
+// block's weight slice of every stage, in order, into a ring of 16 KB
+// shared-memory slots with bulk copies, as far ahead as the ring allows and
+// whatever the chain is doing; warps 0-7 run the stages: wait until every
+// block has counted the previous stage done (one global counter), read its
+// output x from the L2, take the RMSNorm and 16-bit codes per 32-input
+// chunk, compute their rows from the ring (two rows per warp and slot),
+// write the outputs and count the stage done. A routed stage (flag bit 0)
+// has its copies issued only when the previous stage is done (mode bit 0,
+// as an expert's weights are known only after the routing), after 3,000 SM
+// clocks of the producer's own wait (mode bit 1: the selection); mode bit
+// 2: no dependency between the stages (every stage reads x0, the outputs
+// race: timing only). Stage s writes buf[(s & 1) * 2048 + o] =
+// x[o] / 2 + 1e-3 dot(o) scale for its rows o < 2048 (row o of a stage is
+// row o - b rows of block b, as the resident probe). A wait that has not
+// ended ~2^31 SM clocks (~1 s) into the launch traps (a broken chain fails
+// loudly instead of hanging the device).
+constexpr int kPersSlotRows = 16;  // rows of 1 KB per ring slot
+constexpr int kPersWarps = 8;      // computing warps; warp kPersWarps streams the weights
+constexpr int kPersThreads = (kPersWarps + 1) * 32;
+constexpr int kPersMaxStages = 512, kPersMaxRows = 128, kPersMaxSlots = 13;
+constexpr long long kPersGiveUp = 1ll << 31;
+
+__device__ __forceinline__ void pers_wait(uint32_t bar, uint32_t parity, long long t0) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    if (!done && clock64() - t0 > kPersGiveUp) __trap();
+  } while (!done);
+}
+// Spins until *c >= want.
+__device__ __forceinline__ void pers_count_at_least(const unsigned* c, unsigned want, long long t0) {
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(c) : "memory");
+    if (v >= want) return;
+    if (clock64() - t0 > kPersGiveUp) __trap();
+  }
+}
+__device__ __forceinline__ void pers_consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kPersWarps * 32) : "memory");
+}
+
+__global__ void __launch_bounds__(kPersThreads, 1)
+    persistent_probe_kernel(const float* x0, float* buf, const uint4* w, const int2* stages, int nstages, int slots,
+                            int mode, unsigned* counter, unsigned long long* marks) {
+  extern __shared__ __align__(128) unsigned char pers_ring[];  // slots x 16 KB
+  __shared__ __align__(8) uint64_t full[kPersMaxSlots], empty[kPersMaxSlots];
+  __shared__ int2 st[kPersMaxStages];
+  __shared__ float red[kPersWarps];
+  __shared__ float cscale[kProbeCols / 32];
+  __shared__ float xo[kPersMaxRows];
+  __shared__ __align__(16) uint32_t codes[2][kProbeCols / 4];  // high, low int8 parts
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned nb = gridDim.x, b = blockIdx.x;
+  for (int i = tid; i < nstages; i += kPersThreads) st[i] = stages[i];
+  const uint32_t full_a = static_cast<uint32_t>(__cvta_generic_to_shared(full));
+  const uint32_t empty_a = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  if (tid == 0) {
+    for (int k = 0; k < slots; ++k) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full_a + 8 * k) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty_a + 8 * k), "r"(kPersWarps) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const long long t_begin = clock64();
+  const bool dep = !(mode & 4);
+
+  if (warp == kPersWarps) {  // the producer: one lane issues every copy
+    if (lane != 0) return;
+    long long ring_wait = 0;
+    size_t woff = 0;  // uint4 pieces
+    unsigned g = 0;   // slot fills so far
+    const uint32_t ring_a = static_cast<uint32_t>(__cvta_generic_to_shared(pers_ring));
+    for (int s = 0; s < nstages; ++s) {
+      const int rows = st[s].x;
+      if (dep && (mode & 1) && (st[s].y & 1) && s > 0) {
+        pers_count_at_least(counter, nb * unsigned(s), t_begin);
+        if (mode & 2) {
+          const long long t0 = clock64();
+          while (clock64() - t0 < 3000) {
+          }
+        }
+      }
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(w + woff + size_t(b) * rows * 64);
+      for (int r0 = 0; r0 < rows; r0 += kPersSlotRows, ++g) {
+        const unsigned slot = g % unsigned(slots);
+        if (g >= unsigned(slots)) {
+          const long long t0 = clock64();
+          pers_wait(empty_a + 8 * slot, ((g / slots) - 1) & 1, t_begin);
+          ring_wait += clock64() - t0;
+        }
+        const uint32_t bytes = uint32_t(min(kPersSlotRows, rows - r0)) * kResRowBytes;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full_a + 8 * slot),
+                     "r"(bytes)
+                     : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                ring_a + slot * (kPersSlotRows * kResRowBytes)),
+            "l"(src + size_t(r0) * kResRowBytes), "r"(bytes), "r"(full_a + 8 * slot)
+            : "memory");
+      }
+      woff += size_t(nb) * rows * 64;
+    }
+    if (marks) marks[4 * b + 3] = static_cast<unsigned long long>(ring_wait);
+    return;
+  }
+
+  // The computing warps.
+  long long dep_wait = 0, weight_wait = 0;
+  unsigned g = 0;
+  const uint4* ring4 = reinterpret_cast<const uint4*>(pers_ring);
+  for (int s = 0; s < nstages; ++s) {
+    const int rows = st[s].x;
+    const bool after = dep && s > 0;
+    if (after) {
+      if (tid == 0) {
+        const long long t0 = clock64();
+        pers_count_at_least(counter, nb * unsigned(s), t_begin);
+        dep_wait += clock64() - t0;
+      }
+      pers_consumers_sync();
+    }
+    const float* x = after ? buf + ((s - 1) & 1) * kProbeCols : x0;
+    float* y = buf + (s & 1) * kProbeCols;
+    {
+      const float4* x4 = reinterpret_cast<const float4*>(x);
+      const float4 a = __ldcg(x4 + 2 * tid), c = __ldcg(x4 + 2 * tid + 1);
+      float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
+      ss = warp_sum(ss);
+      if (lane == 0) red[warp] = ss;
+      float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                      fmaxf(fmaxf(fabsf(c.x), fabsf(c.y)), fmaxf(fabsf(c.z), fabsf(c.w))));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float inv = m > 0.f ? 32512.f / m : 0.f;
+      const float e[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+      uint32_t hi[8], lo[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int q = __float2int_rn(e[i] * inv);
+        const int h = (q + 128) >> 8;
+        hi[i] = static_cast<uint32_t>(h) & 0xffu;
+        lo[i] = static_cast<uint32_t>(q - 256 * h) & 0xffu;
+      }
+      codes[0][2 * tid] = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
+      codes[0][2 * tid + 1] = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24;
+      codes[1][2 * tid] = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
+      codes[1][2 * tid + 1] = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24;
+      if ((tid & 3) == 0) cscale[tid >> 2] = m / 32512.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int r = 8 * tid + i - int(b) * rows;
+        if (r >= 0 && r < rows) xo[r] = e[i];
+      }
+    }
+    pers_consumers_sync();
+    float tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPersWarps; ++i) tot += red[i];
+    const float scale = 1.f / sqrtf(tot / kProbeCols + 1e-6f);
+    uint4 cq[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4* c4 = reinterpret_cast<const uint4*>(codes[h]);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        cq[h][2 * k] = c4[2 * (lane + 32 * k)];
+        cq[h][2 * k + 1] = c4[2 * (lane + 32 * k) + 1];
+      }
+    }
+    const float cs0 = cscale[lane], cs1 = cscale[lane + 32];
+    for (int r0 = 0; r0 < rows; r0 += kPersSlotRows, ++g) {
+      const unsigned slot = g % unsigned(slots);
+      const long long t0 = clock64();
+      pers_wait(full_a + 8 * slot, (g / slots) & 1, t_begin);
+      if (tid == 0) weight_wait += clock64() - t0;
+      const uint4* wr = ring4 + slot * (kPersSlotRows * 64);
+      const int n = min(kPersSlotRows, rows - r0);
+      float v[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int r = 2 * warp + k;
+        v[k] = 0.f;
+        if (r < n) {
+          const uint4 p0 = wr[r * 64 + lane], p1 = wr[r * 64 + 32 + lane];
+          const int d0 = res_dot(p0, cq[0][0], cq[0][1]) * 256 + res_dot(p0, cq[1][0], cq[1][1]);
+          const int d1 = res_dot(p1, cq[0][2], cq[0][3]) * 256 + res_dot(p1, cq[1][2], cq[1][3]);
+          v[k] = static_cast<float>(d0) * cs0 + static_cast<float>(d1) * cs1;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty_a + 8 * slot) : "memory");
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        v[1] += __shfl_xor_sync(0xffffffffu, v[1], o);
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int r = r0 + 2 * warp + k, o = int(b) * rows + r;
+        if (lane == 0 && 2 * warp + k < n && o < kProbeCols) y[o] = 0.5f * xo[r] + 1e-3f * v[k] * scale;
+      }
+    }
+    pers_consumers_sync();  // the block's outputs are written (and xo / codes free)
+    if (dep && tid == 0) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    }
+  }
+  if (marks && tid == 0) {
+    marks[4 * b] = static_cast<unsigned long long>(dep_wait);
+    marks[4 * b + 1] = static_cast<unsigned long long>(weight_wait);
+    marks[4 * b + 2] = static_cast<unsigned long long>(clock64() - t_begin);
+  }
+}
+
 __global__ void clock_probe_kernel(unsigned long long* out, long long cycles) {
   unsigned long long t0, t1;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -514,6 +740,34 @@ void launch_resident_probe(const float* x, float* y, const uint4* w, const float
   if (threads == -256) return go(b8 ? launch_resident_probe_t<256, 8, 4> : launch_resident_probe_t<256, 16, 4>);
   if (threads == 256) return go(b8 ? launch_resident_probe_t<256, 8, 2> : launch_resident_probe_t<256, 16, 2>);
   go(b8 ? launch_resident_probe_t<512, 8, 2> : launch_resident_probe_t<512, 16, 2>);
+}
+
+void launch_persistent_probe(const float* x0, float* buf, const uint4* w, const int2* stages_dev, const int2* stages,
+                             int nstages, int slots, int mode, unsigned* counter, unsigned long long* marks,
+                             cudaStream_t s) {
+  const int blocks = device_sm_count();
+  if (nstages < 1 || nstages > kPersMaxStages || slots < 2 || slots > kPersMaxSlots || mode < 0 || mode > 7)
+    fail("persistent probe: ", nstages, " stages, ", slots, " slots, mode ", mode);
+  for (int i = 0; i < nstages; ++i)
+    if (stages[i].x < 1 || stages[i].x > kPersMaxRows || stages[i].x * blocks < kProbeCols)
+      fail("persistent probe: stage ", i, " has ", stages[i].x, " rows a block (", blocks, " blocks, 2048 outputs, at most ",
+           kPersMaxRows, ")");
+  // The largest ring's shared memory whatever `slots` is: one block per SM,
+  // so that every SM streams.
+  const size_t smem = size_t(kPersMaxSlots) * kPersSlotRows * kResRowBytes;
+  static const bool once = [] {
+    LILY_CUDA(cudaFuncSetAttribute(persistent_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   kPersMaxSlots * kPersSlotRows * kResRowBytes));
+    return true;
+  }();
+  (void)once;
+  // Every block must be resident at once (they wait for each other).
+  int per_sm = 0;
+  LILY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_probe_kernel, kPersThreads, smem));
+  if (per_sm != 1) fail("persistent probe: ", per_sm, " blocks an SM (one expected)");
+  LILY_CUDA(cudaMemsetAsync(counter, 0, sizeof(unsigned), s));
+  launch_kernel("persistent_probe", persistent_probe_kernel, dim3(blocks), dim3(kPersThreads), smem, s, false, x0, buf,
+                w, stages_dev, nstages, slots, mode, counter, marks);
 }
 
 void launch_empty(int blocks, int threads, int* sink, cudaStream_t s, bool pdl) {
