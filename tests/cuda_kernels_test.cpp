@@ -1338,6 +1338,39 @@ TEST(CudaHandoverProbe, EachRungMatchesTheHostTwin) {
   EXPECT_THROW(cuda::launch_handover_probe(nullptr, nullptr, nullptr, 4, 0, blocks, nullptr, false), Error);
 }
 
+// The probes' host twin for 2048 inputs x: the RMSNorm's scale, the
+// xbits (8 or 16) codes per 32-input chunk and their scales, and a q4 row's
+// dot product with them (byte j of piece p: input 32p + j low, 32p + 16 + j
+// high), as the resident and persistent probes compute them.
+struct ProbeTwin {
+  double scale = 0;
+  std::vector<int> c;
+  std::vector<float> cs;
+  ProbeTwin(const std::vector<float>& x, int xbits) : c(x.size()), cs(x.size() / 32) {
+    double ss = 0;
+    for (float v : x) ss += double(v) * v;
+    scale = 1.0 / std::sqrt(ss / double(x.size()) + 1e-6);
+    const float kMax = xbits == 16 ? 32512.f : 127.f;
+    for (size_t k = 0; k < cs.size(); ++k) {
+      float m = 0.f;
+      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x[32 * k + i]));
+      const float inv = m > 0.f ? kMax / m : 0.f;
+      for (int i = 0; i < 32; ++i) c[32 * k + i] = int(std::nearbyint(x[32 * k + i] * inv));
+      cs[k] = m / kMax;
+    }
+  }
+  double dot(const uint8_t* row) const {
+    double v = 0;
+    for (size_t p = 0; p < cs.size(); ++p) {
+      long d = 0;
+      for (int j = 0; j < 16; ++j)
+        d += long(row[16 * p + j] & 15) * c[32 * p + j] + long(row[16 * p + j] >> 4) * c[32 * p + 16 + j];
+      v += double(d) * cs[p];
+    }
+    return v;
+  }
+};
+
 // The resident probe (lily bench --handover): every mode (trigger, copies
 // before / after / without the wait, bulk copy sizes) and block shape
 // against its host twin on random weights, rows per block that are not a
@@ -1360,31 +1393,11 @@ TEST(CudaResidentProbe, RowsMatchTheHostTwin) {
     auto w = to_device(wh);
     auto rs = to_device(rsh);
     // Host twin.
-    double ss = 0;
-    for (float v : x0) ss += double(v) * v;
-    const float scale = float(1.0 / std::sqrt(ss / N + 1e-6));
-    std::vector<int> c(N);
-    std::vector<float> cs(N / 32);
-    for (int k = 0; k < N / 32; ++k) {
-      float m = 0.f;
-      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x0[32 * k + i]));
-      const float kMax = xbits == 16 ? 32512.f : 127.f;
-      const float inv = m > 0.f ? kMax / m : 0.f;
-      for (int i = 0; i < 32; ++i) c[32 * k + i] = int(std::nearbyint(x0[32 * k + i] * inv));
-      cs[k] = m / kMax;
-    }
+    const ProbeTwin t(x0, xbits);
     std::vector<double> want(N);
-    for (int o = 0; o < N; ++o) {
-      const uint8_t* row = wh.data() + size_t(o) * 1024;
-      double v = 0;
-      for (int p = 0; p < 64; ++p) {
-        long d = 0;
-        for (int j = 0; j < 16; ++j)
-          d += long(row[16 * p + j] & 15) * c[32 * p + j] + long(row[16 * p + j] >> 4) * c[32 * p + 16 + j];
-        v += double(d) * cs[p];
-      }
-      want[o] = 0.5 * x0[o] + 1e-3 * v * scale * rsh[size_t(o / rows) * stride + o % rows];
-    }
+    for (int o = 0; o < N; ++o)
+      want[o] = 0.5 * x0[o] + 1e-3 * t.dot(wh.data() + size_t(o) * 1024) * t.scale *
+                               rsh[size_t(o / rows) * stride + o % rows];
     for (int threads : {256, 512, -256})
       for (int mode : {0, 1, 2, 3, 5, 9, 17, 25, 33, 35, 65, 69, 97, 131}) {
         SCOPED_TRACE("rows " + std::to_string(rows) + " threads " + std::to_string(threads) + " mode " +
@@ -1432,30 +1445,9 @@ TEST(CudaPersistentProbe, ChainMatchesTheHostTwin) {
   std::vector<float> x = x0;
   size_t off = 0;
   for (int2 v : st) {
-    double ss = 0;
-    for (float e : x) ss += double(e) * e;
-    const double scale = 1.0 / std::sqrt(ss / N + 1e-6);
-    std::vector<int> c(N);
-    std::vector<float> cs(N / 32);
-    for (int k = 0; k < N / 32; ++k) {
-      float m = 0.f;
-      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x[32 * k + i]));
-      const float inv = m > 0.f ? 32512.f / m : 0.f;
-      for (int i = 0; i < 32; ++i) c[32 * k + i] = int(std::nearbyint(x[32 * k + i] * inv));
-      cs[k] = m / 32512.f;
-    }
+    const ProbeTwin t(x, 16);
     std::vector<float> y(N);
-    for (int o = 0; o < N; ++o) {
-      const uint8_t* row = wh.data() + off + size_t(o) * 1024;
-      double d = 0;
-      for (int p = 0; p < 64; ++p) {
-        long q = 0;
-        for (int j = 0; j < 16; ++j)
-          q += long(row[16 * p + j] & 15) * c[32 * p + j] + long(row[16 * p + j] >> 4) * c[32 * p + 16 + j];
-        d += double(q) * cs[p];
-      }
-      y[o] = float(0.5 * x[o] + 1e-3 * d * scale);
-    }
+    for (int o = 0; o < N; ++o) y[o] = float(0.5 * x[o] + 1e-3 * t.dot(wh.data() + off + size_t(o) * 1024) * t.scale);
     x = y;
     off += size_t(v.x) * sms * 1024;
   }

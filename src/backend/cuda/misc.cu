@@ -217,6 +217,63 @@ __device__ __forceinline__ int res_dot(const uint4& p, const uint4& lo_c, const 
   d = __dp4a(static_cast<int>((p.w >> 4) & 0x0f0f0f0fu), static_cast<int>(hi_c.w), d);
   return d;
 }
+// The probes' input staging (threads 0-255 of a block, 8 inputs each; a
+// 32-input chunk is 4 adjacent lanes): the warp's sum of squares into
+// red[warp], the XB-bit codes of each chunk (8: rn(x 127 / m); 16:
+// rn(x 32512 / m) as a high and a low int8 part, codes[0] the high or only
+// one) and its scale m / max, and x at the block's output rows
+// [row0, row0 + rows) into xo.
+template <int XB>
+__device__ __forceinline__ void probe_stage_x(const float4 a, const float4 b, int tid, float* red,
+                                              uint32_t (*codes)[kProbeCols / 4], float* cscale, float* xo, int row0,
+                                              int rows) {
+  const int lane = tid & 31;
+  float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+  ss = warp_sum(ss);
+  if (lane == 0) red[tid >> 5] = ss;
+  float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
+                  fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+  constexpr float kMax = XB == 16 ? 32512.f : 127.f;
+  const float inv = m > 0.f ? kMax / m : 0.f;
+  const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  uint32_t hi[8], lo[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = __float2int_rn(e[i] * inv);
+    const int h = XB == 16 ? (c + 128) >> 8 : c;
+    hi[i] = static_cast<uint32_t>(h) & 0xffu;
+    lo[i] = static_cast<uint32_t>(c - 256 * h) & 0xffu;
+  }
+  codes[0][2 * tid] = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
+  codes[0][2 * tid + 1] = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24;
+  if constexpr (XB == 16) {
+    codes[1][2 * tid] = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
+    codes[1][2 * tid + 1] = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24;
+  }
+  if ((tid & 3) == 0) cscale[tid >> 2] = m / kMax;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = 8 * tid + i - row0;
+    if (r >= 0 && r < rows) xo[r] = e[i];
+  }
+}
+// Lane l's pieces are l and l + 32: its code words of each part (serving
+// every row).
+template <int Parts>
+__device__ __forceinline__ void probe_lane_codes(const uint32_t (*codes)[kProbeCols / 4], int lane,
+                                                 uint4 (&cq)[Parts][4]) {
+#pragma unroll
+  for (int h = 0; h < Parts; ++h) {
+    const uint4* c4 = reinterpret_cast<const uint4*>(codes[h]);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      cq[h][2 * k] = c4[2 * (lane + 32 * k)];
+      cq[h][2 * k + 1] = c4[2 * (lane + 32 * k) + 1];
+    }
+  }
+}
 template <int NT, int XB, int MINB>
 __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x, float* y, const uint4* w,
                                                                const float* rs, int rows, int mode,
@@ -291,37 +348,7 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   // 32-input chunk is 4 adjacent lanes).
   if (tid < 256) {
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    const float4 a = x4[2 * tid], b = x4[2 * tid + 1];
-    float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-    ss = warp_sum(ss);
-    if (lane == 0) red[warp] = ss;
-    float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                    fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    constexpr float kMax = XB == 16 ? 32512.f : 127.f;
-    const float inv = m > 0.f ? kMax / m : 0.f;
-    const float e[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    uint32_t hi[8], lo[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int c = __float2int_rn(e[i] * inv);
-      const int h = XB == 16 ? (c + 128) >> 8 : c;
-      hi[i] = static_cast<uint32_t>(h) & 0xffu;
-      lo[i] = static_cast<uint32_t>(c - 256 * h) & 0xffu;
-    }
-    codes[0][2 * tid] = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
-    codes[0][2 * tid + 1] = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24;
-    if constexpr (XB == 16) {
-      codes[kParts - 1][2 * tid] = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
-      codes[kParts - 1][2 * tid + 1] = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24;
-    }
-    if ((tid & 3) == 0) cscale[tid >> 2] = m / kMax;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = 8 * tid + i - int(blockIdx.x) * rows;
-      if (r >= 0 && r < rows) xo[r] = e[i];
-    }
+    probe_stage_x<XB>(x4[2 * tid], x4[2 * tid + 1], tid, red, codes, cscale, xo, int(blockIdx.x) * rows, rows);
   }
   __syncthreads();
   float tot = 0.f;
@@ -332,15 +359,7 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   // Lane l's pieces are l and l + 32: its code words and 2 chunk scales
   // serve every row.
   uint4 cq[kParts][4];
-#pragma unroll
-  for (int h = 0; h < kParts; ++h) {
-    const uint4* c4 = reinterpret_cast<const uint4*>(codes[h]);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      cq[h][2 * k] = c4[2 * (lane + 32 * k)];
-      cq[h][2 * k + 1] = c4[2 * (lane + 32 * k) + 1];
-    }
-  }
+  probe_lane_codes<kParts>(codes, lane, cq);
   const float cs0 = cscale[lane], cs1 = cscale[lane + 32];
   if (mode & 32) {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -537,52 +556,15 @@ __global__ void __launch_bounds__(kPersThreads, 1)
     }
     const float* x = after ? buf + ((s - 1) & 1) * kProbeCols : x0;
     float* y = buf + (s & 1) * kProbeCols;
-    {
-      const float4* x4 = reinterpret_cast<const float4*>(x);
-      const float4 a = __ldcg(x4 + 2 * tid), c = __ldcg(x4 + 2 * tid + 1);
-      float ss = a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + c.x * c.x + c.y * c.y + c.z * c.z + c.w * c.w;
-      ss = warp_sum(ss);
-      if (lane == 0) red[warp] = ss;
-      float m = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                      fmaxf(fmaxf(fabsf(c.x), fabsf(c.y)), fmaxf(fabsf(c.z), fabsf(c.w))));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float inv = m > 0.f ? 32512.f / m : 0.f;
-      const float e[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-      uint32_t hi[8], lo[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int q = __float2int_rn(e[i] * inv);
-        const int h = (q + 128) >> 8;
-        hi[i] = static_cast<uint32_t>(h) & 0xffu;
-        lo[i] = static_cast<uint32_t>(q - 256 * h) & 0xffu;
-      }
-      codes[0][2 * tid] = hi[0] | hi[1] << 8 | hi[2] << 16 | hi[3] << 24;
-      codes[0][2 * tid + 1] = hi[4] | hi[5] << 8 | hi[6] << 16 | hi[7] << 24;
-      codes[1][2 * tid] = lo[0] | lo[1] << 8 | lo[2] << 16 | lo[3] << 24;
-      codes[1][2 * tid + 1] = lo[4] | lo[5] << 8 | lo[6] << 16 | lo[7] << 24;
-      if ((tid & 3) == 0) cscale[tid >> 2] = m / 32512.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int r = 8 * tid + i - int(b) * rows;
-        if (r >= 0 && r < rows) xo[r] = e[i];
-      }
-    }
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    probe_stage_x<16>(__ldcg(x4 + 2 * tid), __ldcg(x4 + 2 * tid + 1), tid, red, codes, cscale, xo, int(b) * rows, rows);
     pers_consumers_sync();
     float tot = 0.f;
 #pragma unroll
     for (int i = 0; i < kPersWarps; ++i) tot += red[i];
     const float scale = 1.f / sqrtf(tot / kProbeCols + 1e-6f);
     uint4 cq[2][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint4* c4 = reinterpret_cast<const uint4*>(codes[h]);
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        cq[h][2 * k] = c4[2 * (lane + 32 * k)];
-        cq[h][2 * k + 1] = c4[2 * (lane + 32 * k) + 1];
-      }
-    }
+    probe_lane_codes<2>(codes, lane, cq);
     const float cs0 = cscale[lane], cs1 = cscale[lane + 32];
     for (int r0 = 0; r0 < rows; r0 += kPersSlotRows, ++g) {
       const unsigned slot = g % unsigned(slots);
