@@ -370,8 +370,8 @@ nlohmann::ordered_json bench_cuda(std::unique_ptr<ModelWeights> w, const Setup& 
   }
   if (s.persistent) {
     // The persistent probe: a 4K step's 210 dependent matvec-shaped stages
-    // (the resident chain's sizes, 2 blocks' worth per SM) in one launch of
-    // one block per SM, the weights streamed through a shared-memory ring
+    // (the resident chain's rows of 1 KB per SM) in one launch of one block
+    // per SM, the weights streamed through a shared-memory ring
     // ahead of the chain, the stages ordered by a global counter
     // (docs/cuda-decode.md, "v28").
     using PS = cuda::CudaBackend::PersistentStage;
@@ -1143,6 +1143,8 @@ int cmd_bench(int argc, char** argv) {
   if (a.has("--draft") + a.has("--reuse") + a.has("--generate") + a.has("--sampling") > 1)
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
   if (a.has("--sampling") && s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
+  for (const char* f : {"--handover", "--persistent"})
+    if (a.has(f) && s.backend != "cuda") fail("bench ", f, ": a probe of the cuda backend");
   // --generate: checked before the model loads.
   for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p", "--json-object", "--tokenizer", "--logprobs"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
