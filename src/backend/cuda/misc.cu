@@ -1,12 +1,21 @@
 // Embedding lookup (first kernel of a decode step) and the random fills used
 // for synthetic benchmark models and caches.
 #include "backend/cuda/device_common.cuh"
+#include "backend/cuda/prefill_common.cuh"
 #include "backend/cuda/prefill.h"
 #include "backend/cuda/prefill_glue.h"
 
 namespace lily::cuda {
 
 namespace {
+
+using prefill_detail::bulk_copy_g2s;
+using prefill_detail::cp_async_wait;
+using prefill_detail::mbar_arrive;
+using prefill_detail::mbar_expect_tx;
+using prefill_detail::mbar_init;
+using prefill_detail::mbar_wait;
+using prefill_detail::smem_u32;
 
 // x[0..cols) = row `row` of m, dequantized; the block's threads split the
 // row's 16-byte chunks.
@@ -305,26 +314,19 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
       return;
     }
     if (tid != 0) return;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_a), "r"(wbytes + sbytes)
-                 : "memory");
+    mbar_expect_tx(bar_a, wbytes + sbytes);
     const unsigned char* src = reinterpret_cast<const unsigned char*>(w) + size_t(blockIdx.x) * wbytes;
     const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
     const int pc = (mode >> 3) & 3;  // 16 (0), 1, 4 or 64 KB per bulk copy
     const uint32_t piece = pc == 0 ? 16384u : pc == 1 ? 1024u : pc == 2 ? 4096u : 65536u;
     for (uint32_t off = 0; off < wbytes; off += piece) {
       const uint32_t n = min(piece, wbytes - off);
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                       dst + off),
-                   "l"(src + off), "r"(n), "r"(bar_a)
-                   : "memory");
+      bulk_copy_g2s(dst + off, src + off, n, bar_a);
     }
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     dst + wbytes),
-                 "l"(rs + size_t(blockIdx.x) * rs_stride), "r"(sbytes), "r"(bar_a)
-                 : "memory");
+    bulk_copy_g2s(dst + wbytes, rs + size_t(blockIdx.x) * rs_stride, sbytes, bar_a);
   };
   if (tid == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar_a) : "memory");
+    mbar_init(bar_a, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -362,15 +364,10 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   probe_lane_codes<kParts>(codes, lane, cq);
   const float cs0 = cscale[lane], cs1 = cscale[lane + 32];
   if (mode & 32) {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    cp_async_wait<0>();
     __syncthreads();
   } else {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "RES_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n"
-        "@!done bra RES_WAIT;\n}\n" ::"r"(bar_a)
-        : "memory");
+    mbar_wait(bar_a, 0);
   }
   if (marks && tid == 0) marks[5 * blockIdx.x + 3] = clock64();
   const uint4* wr = reinterpret_cast<const uint4*>(res_smem);
@@ -486,12 +483,11 @@ __global__ void __launch_bounds__(kPersThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned nb = gridDim.x, b = blockIdx.x;
   for (int i = tid; i < nstages; i += kPersThreads) st[i] = stages[i];
-  const uint32_t full_a = static_cast<uint32_t>(__cvta_generic_to_shared(full));
-  const uint32_t empty_a = static_cast<uint32_t>(__cvta_generic_to_shared(empty));
+  const uint32_t full_a = smem_u32(full), empty_a = smem_u32(empty);
   if (tid == 0) {
     for (int k = 0; k < slots; ++k) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full_a + 8 * k) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(empty_a + 8 * k), "r"(kPersWarps) : "memory");
+      mbar_init(full_a + 8 * k, 1);
+      mbar_init(empty_a + 8 * k, kPersWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -504,7 +500,7 @@ __global__ void __launch_bounds__(kPersThreads, 1)
     long long ring_wait = 0;
     size_t woff = 0;  // uint4 pieces
     unsigned g = 0;   // slot fills so far
-    const uint32_t ring_a = static_cast<uint32_t>(__cvta_generic_to_shared(pers_ring));
+    const uint32_t ring_a = smem_u32(pers_ring);
     for (int s = 0; s < nstages; ++s) {
       const int rows = st[s].x;
       if (dep && (mode & 1) && (st[s].y & 1) && s > 0) {
@@ -524,14 +520,9 @@ __global__ void __launch_bounds__(kPersThreads, 1)
           ring_wait += clock64() - t0;
         }
         const uint32_t bytes = uint32_t(min(kPersSlotRows, rows - r0)) * kResRowBytes;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full_a + 8 * slot),
-                     "r"(bytes)
-                     : "memory");
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                ring_a + slot * (kPersSlotRows * kResRowBytes)),
-            "l"(src + size_t(r0) * kResRowBytes), "r"(bytes), "r"(full_a + 8 * slot)
-            : "memory");
+        mbar_expect_tx(full_a + 8 * slot, bytes);
+        bulk_copy_g2s(ring_a + slot * (kPersSlotRows * kResRowBytes), src + size_t(r0) * kResRowBytes, bytes,
+                      full_a + 8 * slot);
       }
       woff += size_t(nb) * rows * 64;
     }
@@ -586,7 +577,7 @@ __global__ void __launch_bounds__(kPersThreads, 1)
         }
       }
       __syncwarp();
-      if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(empty_a + 8 * slot) : "memory");
+      if (lane == 0) mbar_arrive(empty_a + 8 * slot);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
         v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
