@@ -107,6 +107,7 @@ struct Setup {
   bool persistent = false;  // --persistent: the persistent probe (cuda)
 };
 
+#ifdef LILY_HAVE_CUDA
 // FLOPs of a prefill of n tokens from an empty cache (multiply-adds x 2).
 double prefill_flops(const ModelConfig& c, double n) {
   const double H = c.hidden_size;
@@ -133,7 +134,6 @@ double prefill_flops(const ModelConfig& c, double n) {
   return 2.0 * (per_token + dn) * n + 4.0 * attn_pairs * n * (n + 1) / 2 + 2.0 * H * c.vocab_size;
 }
 
-#ifdef LILY_HAVE_CUDA
 // A traced step (CudaBackend::trace_step) summed per kernel kind. Per launch:
 // span = its last block's end minus the previous launch's (the launch's share
 // of the step); gap = its first block past the wait minus the previous
