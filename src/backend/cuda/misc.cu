@@ -14,6 +14,7 @@ using prefill_detail::cp_async_wait;
 using prefill_detail::mbar_arrive;
 using prefill_detail::mbar_expect_tx;
 using prefill_detail::mbar_init;
+using prefill_detail::mbar_init_fence;
 using prefill_detail::mbar_wait;
 using prefill_detail::smem_u32;
 
@@ -299,12 +300,12 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   const uint32_t wbytes = uint32_t(rows) * kResRowBytes, sbytes = (uint32_t(rows) * 4 + 15) & ~15u;
   const int rs_stride = (rows + 3) & ~3;  // 16-byte aligned scale slices
   const float* ssm = reinterpret_cast<const float*>(res_smem + wbytes);
-  const uint32_t bar_a = static_cast<uint32_t>(__cvta_generic_to_shared(&bar));
+  const uint32_t bar_a = smem_u32(&bar);
   auto issue = [&] {
     if (mode & 32) {
       // Every thread's share as 16-byte cp.async (the load-store path).
       const uint4* src = w + size_t(blockIdx.x) * (wbytes / 16);
-      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
+      const uint32_t dst = smem_u32(res_smem);
       for (uint32_t i = tid; i < (wbytes + sbytes) / 16; i += NT) {
         const float* sp = rs + size_t(blockIdx.x) * rs_stride + 4 * (i - wbytes / 16);
         const void* g = i < wbytes / 16 ? static_cast<const void*>(src + i) : static_cast<const void*>(sp);
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
     if (tid != 0) return;
     mbar_expect_tx(bar_a, wbytes + sbytes);
     const unsigned char* src = reinterpret_cast<const unsigned char*>(w) + size_t(blockIdx.x) * wbytes;
-    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(res_smem));
+    const uint32_t dst = smem_u32(res_smem);
     const int pc = (mode >> 3) & 3;  // 16 (0), 1, 4 or 64 KB per bulk copy
     const uint32_t piece = pc == 0 ? 16384u : pc == 1 ? 1024u : pc == 2 ? 4096u : 65536u;
     for (uint32_t off = 0; off < wbytes; off += piece) {
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(NT, MINB) resident_probe_kernel(const float* x
   };
   if (tid == 0) {
     mbar_init(bar_a, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (!(mode & 2)) issue();
@@ -489,7 +490,7 @@ __global__ void __launch_bounds__(kPersThreads, 1)
       mbar_init(full_a + 8 * k, 1);
       mbar_init(empty_a + 8 * k, kPersWarps);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   const long long t_begin = clock64();

@@ -82,7 +82,7 @@ __device__ __forceinline__ void init_barriers(uint32_t bars, int full_count) {
       mbar_init(bars + 8 * s, full_count);
       mbar_init(bars + 8 * (S + s), 8);  // one arrival per consumer warp
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
 }
 
