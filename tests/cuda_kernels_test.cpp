@@ -5,6 +5,7 @@
 #ifdef LILY_HAVE_CUDA
 
 #include <cfloat>
+#include <cstring>
 #include <cstdlib>
 #include <numeric>
 
@@ -311,6 +312,137 @@ TEST(CudaMatvecIntInputs, EveryPrologueMatchesEmulation) {
   p.act_bits = 8;
   cuda::launch_matvec(p, nullptr, false);
   EXPECT_LT(rel_err(to_host<float>(out, 45), cpu_matvec(a.m, x)), 2e-5);
+}
+
+// ---- Several input rows in one launch (MatvecParams::nrows) ----
+// Each row's outputs are those of a launch of that row alone, bit for bit
+// (the same staging and sums per row), for every prologue, epilogue and q4
+// layout, with row strides that leave gaps (the gaps stay unwritten).
+void rows_match_one_row_launches() {
+  std::mt19937 rng(23);
+  for (const FormatCase& fc : kFormats) {
+    if (fc.f != WeightFormat::Affine4) continue;
+    for (int cols : {384, 1152, 4096}) {
+      if (cols % fc.group) continue;
+      auto a = random_matrix(fc.f, 77, cols, fc.group, fc.sdt, rng);
+      auto b = random_matrix(fc.f, 130, cols, fc.group, fc.sdt, rng);
+      auto da = cuda::upload_matrix(a.m, 1), db = cuda::upload_matrix(b.m, 2);
+      const int R = cuda::kMaxMatvecRows, ldx = cols + 12, ldz = cols + 4;
+      const auto X = random_vec(size_t(R) * ldx, rng, -2, 2), Z = random_vec(size_t(R) * ldz, rng, -3, 3),
+                 nw = random_vec(cols, rng, 0.5f, 1.5f);
+      auto dX = to_device(X), dZ = to_device(Z), dnw = to_device(nw);
+      for (int bits : {16, 8})
+        for (int nrows = 2; nrows <= R; ++nrows)
+          for (int pv = 0; pv < 3; ++pv)
+            for (int ep = 0; ep < 3; ++ep) {
+              SCOPED_TRACE(std::string(fc.name) + " cols " + std::to_string(cols) + " bits " +
+                           std::to_string(bits) + " rows " + std::to_string(nrows) + " prologue " +
+                           std::to_string(pv) + " epilogue " + std::to_string(ep));
+              const bool swiglu = ep == 2;  // one job: a's rows as gate / up pairs (76 rows: 38 outputs)
+              const int ra = swiglu ? 38 : 77, lda = ra + 5, ldb = 130 + 3;
+              cuda::MatvecParams p;
+              cuda::set_layout(p, da.v);
+              p.njobs = swiglu ? 1 : 2;
+              p.jobs[0] = {da.v.w, da.v.sb, swiglu ? 76 : 77, -1, 0, 0, nullptr, lda};
+              p.jobs[1] = {db.v.w, db.v.sb, 130, -1, 0, 0, nullptr, ldb};
+              p.pro = static_cast<cuda::Prologue>(pv);
+              p.norm_w = dnw.as<float>();
+              p.seg = pv == 2 ? 128 : cols;
+              p.gate_z = pv == 2 ? dZ.as<float>() : nullptr;
+              p.eps = 1e-6f;
+              p.epi = static_cast<cuda::Epilogue>(ep);
+              p.act_bits = bits;
+              // Outputs: NaN (Store, SwiGLU) or random values to add to.
+              const size_t na = size_t(nrows) * lda, nb = size_t(nrows) * ldb;
+              const auto init_a = random_vec(na, rng), init_b = random_vec(nb, rng);
+              auto fill = [&](DeviceBuffer& d, const std::vector<float>& init) {
+                if (ep == 1) cuda::upload(d, init.data(), init.size());
+                else d = poisoned(init.size());
+              };
+              DeviceBuffer oa, ob;
+              fill(oa, init_a);
+              fill(ob, init_b);
+              cuda::MatvecParams q = p;
+              q.nrows = nrows;
+              q.x = dX.as<float>();
+              q.ldx = ldx;
+              q.ldz = ldz;
+              q.jobs[0].out = oa.as<float>();
+              q.jobs[1].out = ob.as<float>();
+              ASSERT_TRUE(cuda::matvec_rows_ok(q));
+              cuda::launch_matvec(q, nullptr, false);
+              const auto ga = to_host<float>(oa, na), gb = to_host<float>(ob, nb);
+              for (int i = 0; i < nrows; ++i) {
+                DeviceBuffer ra1, rb1;
+                const std::vector<float> ia(init_a.begin() + size_t(i) * lda, init_a.begin() + size_t(i + 1) * lda),
+                    ib(init_b.begin() + size_t(i) * ldb, init_b.begin() + size_t(i + 1) * ldb);
+                fill(ra1, ia);
+                fill(rb1, ib);
+                cuda::MatvecParams o = p;
+                o.x = dX.as<float>() + size_t(i) * ldx;
+                if (p.gate_z) o.gate_z = dZ.as<float>() + size_t(i) * ldz;
+                o.jobs[0].out = ra1.as<float>();
+                o.jobs[1].out = rb1.as<float>();
+                cuda::launch_matvec(o, nullptr, false);
+                const auto ea = to_host<float>(ra1, lda), eb = to_host<float>(rb1, ldb);
+                // Bit for bit, the gaps included (NaN or the initial values).
+                EXPECT_EQ(0, std::memcmp(ea.data(), ga.data() + size_t(i) * lda, lda * 4)) << "row " << i;
+                if (!swiglu) {
+                  EXPECT_EQ(0, std::memcmp(eb.data(), gb.data() + size_t(i) * ldb, ldb * 4)) << "row " << i;
+                }
+                if (i == nrows - 1 && ep == 0) {
+                  // And against the f32 product (the one-row kernel's own test
+                  // bounds it; this keeps the check able to fail alone).
+                  std::vector<float> xin(X.begin() + size_t(i) * ldx, X.begin() + size_t(i) * ldx + cols);
+                  if (pv > 0)
+                    for (int sg = 0; sg < cols / p.seg; ++sg)
+                      cpu::rms_norm(&X[size_t(i) * ldx + sg * p.seg], nw.data(), p.seg, 1e-6f, &xin[sg * p.seg]);
+                  if (pv == 2)
+                    for (int k = 0; k < cols; ++k) xin[k] *= cpu::silu(Z[size_t(i) * ldz + k]);
+                  std::vector<float> got(ga.begin() + size_t(i) * lda, ga.begin() + size_t(i) * lda + 77);
+                  EXPECT_LT(rel_err(got, cpu_matvec(a.m, xin)), f32_tol(bits));
+                }
+              }
+            }
+    }
+  }
+}
+
+TEST(CudaMatvecRows, EachRowMatchesItsOwnLaunchBitForBit) {
+  LILY_SKIP_WITHOUT_GPU();
+  rows_match_one_row_launches();
+  ScopedEnv env("LILY_CUDA_ROWS_2PERSM", "1");  // the register-capped two-row kernel
+  rows_match_one_row_launches();
+}
+
+TEST(CudaMatvecRows, RefusesWhatItCannotTake) {
+  LILY_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(5);
+  auto a = random_matrix(WeightFormat::Affine4, 40, 256, 64, DType::BF16, rng);
+  auto q8 = random_matrix(WeightFormat::Affine8, 40, 256, 64, DType::BF16, rng);
+  auto da = cuda::upload_matrix(a.m, 1), d8 = cuda::upload_matrix(q8.m, 2);
+  auto x = to_device(random_vec(4 * 256, rng));
+  auto out = poisoned(4 * 40);
+  cuda::MatvecParams ok = one_job(da.v, out.as<float>(), x.as<float>());
+  ok.act_bits = 16;
+  ok.nrows = 3;
+  ok.ldx = 256;
+  ok.jobs[0].ldo = 40;
+  EXPECT_TRUE(cuda::matvec_rows_ok(ok));
+  std::vector<cuda::MatvecParams> bad(7, ok);
+  bad[0].act_bits = 0;  // f32 inputs
+  bad[1] = one_job(d8.v, out.as<float>(), x.as<float>());  // q8 weights
+  bad[1].act_bits = 16;
+  bad[1].nrows = 2;
+  bad[2].nrows = cuda::kMaxMatvecRows + 1;
+  bad[3].ldx = 258;  // rows not 16-byte aligned
+  bad[4].argmax = 1;
+  bad[5].jobs[0].slot = 0;  // a routed job
+  bad[6].gate_z_early = 1;
+  for (size_t i = 0; i < bad.size(); ++i) {
+    EXPECT_FALSE(cuda::matvec_rows_ok(bad[i])) << "case " << i;
+    EXPECT_THROW(cuda::launch_matvec(bad[i], nullptr, false), std::exception) << "case " << i;
+  }
 }
 
 // E experts' gate and up (I x H, q4 g64), uploaded as the backend does: one

@@ -217,7 +217,9 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
 }
 
 // Every prompt position through the prefill kernels (one pass, and chunks
-// of 7 tokens), against the CPU backend and the reference.
+// of 7 and of 3 tokens: runs of up to CudaOptions::mv_rows take their q4
+// projections as the decode matvec over their rows), against the CPU
+// backend and the reference.
 TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
   LILY_SKIP_WITHOUT_GPU();
   auto [fixture, which] = GetParam();
@@ -227,7 +229,7 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
   Sequence sc(cpu_backend_for(fixture), 4096);
   const auto want = sc.append(ref.prompt, LogitsMode::All);
   for (auto [chunk, kv] : {std::pair{4096, cuda::KvType::BF16}, std::pair{7, cuda::KvType::BF16},
-                           std::pair{7, cuda::KvType::Q8}}) {
+                           std::pair{7, cuda::KvType::Q8}, std::pair{3, cuda::KvType::BF16}}) {
     auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk, kv));
     ASSERT_TRUE(g.prefill_enabled()) << g.prefill_disabled_reason();
     Sequence s(g, 4096);

@@ -96,6 +96,11 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_MOE_GROUPED")) o.moe_grouped = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_SHORT_PDL")) o.short_pdl = std::atoi(v) != 0;
   if (const char* v = std::getenv("LILY_CUDA_FOLD_NORMS")) o.fold_norms = std::atoi(v) != 0;
+  if (const char* v = std::getenv("LILY_CUDA_MV_ROWS")) {
+    o.mv_rows = std::atoi(v);
+    if (o.mv_rows < 0 || o.mv_rows > kMaxMatvecRows)
+      fail("LILY_CUDA_MV_ROWS='", v, "': expected 0..", kMaxMatvecRows);
+  }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";
@@ -640,6 +645,37 @@ struct CudaBackend::Impl {
       if (p.fin != Finish::None) p.counter = next_counter();
       steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); }});
     }
+  }
+  // A short run's projection as the decode matvec over its T rows
+  // (CudaOptions::mv_rows; MatvecParams::nrows): x's rows at ldx, each job's
+  // row i at its out + i * ldo. false, with nothing launched, where the run
+  // is not that short or a launch would not take the layout.
+  bool matvec_rows(const std::vector<JobSpec>& jobs, const MatvecParams& proto, int T, long long ldx,
+                   long long ldo, cudaStream_t s) {
+    if (T < 2 || T > opt.mv_rows) return false;
+    std::vector<MatvecParams> ps;
+    for (const auto& g : layout_groups(jobs)) {
+      MatvecParams p = proto;
+      group_params(p, g);
+      p.nrows = T;
+      p.ldx = ldx;
+      for (int j = 0; j < p.njobs; ++j) p.jobs[j].ldo = ldo;
+      if (!matvec_rows_ok(p)) return false;
+      ps.push_back(p);
+    }
+    for (const MatvecParams& p : ps) launch_matvec(p, s, prefill_pdl(T));
+    return true;
+  }
+  // The input RMSNorm's matvec prologue over the residual rows (matvec_rows).
+  MatvecParams norm_rows(const DeviceBuffer& norm_w) const {
+    MatvecParams p;
+    p.x = pX.as<float>();
+    p.pro = Prologue::Norm;
+    p.seg = c.hidden_size;
+    p.eps = c.rms_norm_eps;
+    p.norm_w = norm_w.as<float>();
+    p.epi = Epilogue::Store;
+    return p;
   }
   static std::vector<std::vector<JobSpec>> layout_groups(const std::vector<JobSpec>& jobs) {
     return group_by_layout(jobs, [](const JobSpec& j) -> const DevMatView& { return j.m->v; });
@@ -1253,15 +1289,24 @@ struct CudaBackend::Impl {
     for (int l = 0; l < c.num_layers; ++l) {
       const LayerDev& D = layers[l];
       const PrefillLayer& W = pl[l];
-      if (!normed) prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
-      normed = false;
-      marks.mark("norms", s);
+      // The layer's input norm: by the MoE combine before (normed), in the
+      // projection's prologue (a run of at most opt.mv_rows rows through
+      // matvec_rows), or its own launch.
+      auto input_norm = [&] {
+        if (!normed) prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
+        marks.mark("norms", s);
+      };
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
         float* Pj = record ? cache.draft.proj[l].as<float>() : pProj.as<float>();
         // qkv | z | b | a side by side in Pj.
-        const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
-        prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        if (!matvec_rows({{&D.in_qkv, Pj}, {&D.in_z, Pj + C}, {&D.in_b, Pj + C + V}, {&D.in_a, Pj + C + V + nv}},
+                         norm_rows(D.input_norm), T, H, ldp, s)) {
+          input_norm();
+          const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
+          prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        }
+        normed = false;
         marks.mark("dn in_proj", s);
         PrefillDeltaNetArgs da = deltanet_args(cache, l, Pj, T, P);
         if (record && T <= prefill_skinny_rows()) {  // the run form records the state as it reads it
@@ -1270,17 +1315,35 @@ struct CudaBackend::Impl {
         }
         prefill_deltanet(da, s);
         marks.mark("dn core", s);
-        prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
-                              c.linear_value_head_dim, eps, A, lda, s);
-        marks.mark("dn gated norm", s);
-        prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
+        MatvecParams o;  // the gated RMSNorm in the out_proj's prologue
+        o.x = pDn.as<float>();
+        o.pro = Prologue::GatedNorm;
+        o.norm_w = D.dn_norm.as<float>();
+        o.seg = c.linear_value_head_dim;
+        o.gate_z = Pj + C;
+        o.ldz = static_cast<long long>(ldp);
+        o.eps = eps;
+        o.epi = Epilogue::Add;
+        if (!matvec_rows({{&D.out, X}}, o, T, V, H, s)) {
+          prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
+                                c.linear_value_head_dim, eps, A, lda, s);
+          marks.mark("dn gated norm", s);
+          prefill_gemm(W.out, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
+        }
         marks.mark("dn out_proj", s);
       } else {
         float* Pj = pProj.as<float>();
         const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
         const int qdim = c.num_heads * qhs;
-        const PrefillWeight qkv[3] = {W.q, W.k, W.v};  // q | k | v side by side in Pj
-        prefill_gemm_fused(qkv, 3, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        const int kvdim = c.num_kv_heads * hd;
+        // q | k | v side by side in Pj.
+        if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, norm_rows(D.input_norm), T, H,
+                         ldp, s)) {
+          input_norm();
+          const PrefillWeight qkv[3] = {W.q, W.k, W.v};
+          prefill_gemm_fused(qkv, 3, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
+        }
+        normed = false;
         marks.mark("attn qkv", s);
         AttnPrepParams ap;
         ap.proj = Pj;
@@ -1442,6 +1505,13 @@ struct CudaBackend::Impl {
   // (null: left in pLogits, T <= kLogitRows).
   void all_logits(int T, float* dst) {
     const int H = c.hidden_size, V = c.vocab_size;
+    if (T <= kLogitRows && lm_rows(T)) {
+      if (dst) {
+        LILY_CUDA(cudaMemcpyAsync(dst, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
+        LILY_CUDA(cudaStreamSynchronize(stream));
+      }
+      return;
+    }
     if (!dst && (T > kLogitRows || !lm_gemm_ok)) fail("internal: logits kept on the device need the lm_head GEMM");
     if (!lm_gemm_ok) {
       for (int r = 0; r < T; ++r) row_logits(r, dst + size_t(r) * V);
@@ -1456,6 +1526,13 @@ struct CudaBackend::Impl {
                                 stream));
       LILY_CUDA(cudaStreamSynchronize(stream));  // pLogits is reused by the next rows
     }
+  }
+
+  // A short run's final norm and lm_head as the decode matvec over its rows
+  // into pLogits (matvec_rows); false (nothing run) where it does not take them.
+  bool lm_rows(int T) {
+    return matvec_rows({{lm_head, pLogits.as<float>()}}, norm_rows(final_norm), T, c.hidden_size, c.vocab_size,
+                       stream);
   }
 
   // Appends `tokens` (>= 2) with the prefill kernels, in chunks of at most
@@ -1512,8 +1589,11 @@ struct CudaBackend::Impl {
     bool ok = true;
     try {
       prefill_layers(cache, pTok.as<int>(), T, P, /*record=*/true);
-      prefill_rmsnorm(pX.as<float>(), H, final_norm.as<float>(), T, H, c.rms_norm_eps, pXn.as<uint16_t>(), H, stream);
-      prefill_gemm(pw_lm, pXn.as<uint16_t>(), T, H, pLogits.get(), V, PrefillOut::F32, stream);
+      if (!lm_rows(T)) {
+        prefill_rmsnorm(pX.as<float>(), H, final_norm.as<float>(), T, H, c.rms_norm_eps, pXn.as<uint16_t>(), H,
+                        stream);
+        prefill_gemm(pw_lm, pXn.as<uint16_t>(), T, H, pLogits.get(), V, PrefillOut::F32, stream);
+      }
     } catch (const Error&) {
       ok = false;
     }

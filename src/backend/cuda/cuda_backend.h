@@ -68,6 +68,12 @@ struct CudaOptions {
   bool moe_grouped = true;
   // Such runs' launches with programmatic dependent launch (prefill_set_pdl).
   bool short_pdl = true;
+  // Runs of 2 up to this many tokens (0, 2..kMaxMatvecRows) take their q4
+  // projections (in_proj, qkv, out_proj with its gated RMSNorm, lm_head) as
+  // the decode matvec over the run's rows (MatvecParams::nrows: the input
+  // norms fused, the weights read once), where the layouts allow it; 0 or 1:
+  // the skinny GEMMs.
+  int mv_rows = 4;
   // The next layer's input RMSNorm written by the MoE's combine (every
   // prefill pass) instead of a launch of its own.
   bool fold_norms = true;
@@ -88,7 +94,7 @@ struct CudaOptions {
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
-// LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1.
+// LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4.
 CudaOptions options_from_env();
 
 struct KernelTiming {

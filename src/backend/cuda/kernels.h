@@ -128,6 +128,7 @@ struct MatvecJob {
   long long w_expert_stride = 0;   // uint4 per expert
   long long sb_expert_stride = 0;  // u32 per expert
   float* out = nullptr;
+  long long ldo = 0;  // several input rows (MatvecParams::nrows): row i's outputs at out + i * ldo
 };
 
 // MoE routing as a matvec prologue (the MoE gate_up launch): after the wait,
@@ -221,8 +222,21 @@ struct MatvecParams {
   // inputs"); 0: f32. Only with the one-pass staging; other formats and
   // stagings keep f32.
   int act_bits = 0;
+  // Several input rows through one pass over the weights (a short run: a
+  // draft's tokens): row i's input at x + i * ldx (its gate z at gate_z + i
+  // * ldz), its outputs at each job's out + i * ldo. Each row is staged and
+  // summed exactly as a launch of that row alone (the same bits). 2..
+  // kMaxMatvecRows only with q4 weights on integer inputs (act_bits) and the
+  // one-pass staging, without route, fold, argmax, finish or gate_z_early
+  // (matvec_rows_ok).
+  int nrows = 1;
+  long long ldx = 0, ldz = 0;
   TraceSpec trace;  // set by the launch function
 };
+constexpr int kMaxMatvecRows = 4;
+// Whether launch_matvec takes p with p.nrows rows (the shapes, format,
+// alignment and options above; nrows 1 always).
+bool matvec_rows_ok(const MatvecParams& p);
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl);
 
 // ---- MoE down projection + weighted sum over experts, added to out -----------

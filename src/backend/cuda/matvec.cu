@@ -423,100 +423,135 @@ constexpr int kRouteRmsBar = 2;
 // loads as soon as the experts are known, not after the routing warp has
 // also worked out the weights and met the block.
 constexpr int kRouteSelBar = 3;
-template <QFmt F, int XB = 0>
+// NR > 1 (integer inputs only): NR input rows at once, row r from p.x + r
+// p.ldx (gate z at p.gate_z + r p.ldz, loaded here) into smem + r rstride
+// floats, their sums of x^2 at red + r x (warps), one named barrier for all;
+// each row's arithmetic is the one-row staging's.
+template <QFmt F, int XB = 0, int NR = 1>
 __device__ __forceinline__ void stage_fast(const MatvecParams& p, float* smem, const MatvecSmem& L, int t,
-                                           int n, int bar_id, float* red, StageRegs& sr, bool arrive = false) {
+                                           int n, int bar_id, float* red, StageRegs& sr, bool arrive = false,
+                                           int rstride = 0) {
+  static_assert(NR == 1 || XB != 0, "several rows: integer inputs only");
   using CF = ChunkFmt<F>;
   constexpr bool Pairs = XB != 0;  // the integer staging owns pairs of pieces (put_pairs_x)
+  constexpr int kRed = kMatvecThreads / 32;  // a row's sums in red
   const int lane = t & 31, w = t >> 5, nwarps = n >> 5;
   const int n4 = p.cols / 4, NP = p.chunks * CF::PPC;
-  const float4* x4 = reinterpret_cast<const float4*>(p.x);
   const bool late_z = p.pro == Prologue::GatedNorm && !p.gate_z_early;
-  float4 v[kMaxPieces];
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 v[NR][kMaxPieces];
+  // The rows' gate z when loaded here: sr.a for one row (as when loaded
+  // before the wait), zx for several.
+  float4 zx[NR][kMaxPieces];
+  auto zref = [&](int r, int k) -> float4& {
+    if constexpr (NR == 1) return sr.a[k];
+    else return zx[r][k];
+  };
 #pragma unroll
-  for (int k = 0; k < kMaxPieces; ++k) {
-    const int f = stage_piece<Pairs>(t, k, n);
-    v[k] = f < n4 ? x4[f] : make_float4(0.f, 0.f, 0.f, 0.f);
-    if (late_z)
-      sr.a[k] = f < n4 ? __ldcg(reinterpret_cast<const float4*>(p.gate_z) + f) : make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int r = 0; r < NR; ++r) {
+    const float4* x4 = reinterpret_cast<const float4*>(p.x + r * p.ldx);
+    const float4* z4 = reinterpret_cast<const float4*>(p.gate_z + r * p.ldz);
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) {
+      const int f = stage_piece<Pairs>(t, k, n);
+      v[r][k] = f < n4 ? x4[f] : zero;
+      if (late_z) zref(r, k) = f < n4 ? __ldcg(z4 + f) : zero;
+    }
   }
   // Sub-steps (trace only; the empty asm orders the mark after the value):
   // 5, the first x piece arrived; 6, the norm scales known.
   if (p.trace.recs) {
-    asm volatile("" ::"f"(v[0].x));
+    asm volatile("" ::"f"(v[0][0].x));
     trace_clock(p.trace, 5);
   }
-  float scale[kMaxPieces];
+  float scale[NR][kMaxPieces];
 #pragma unroll
-  for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f;
+  for (int r = 0; r < NR; ++r)
+#pragma unroll
+    for (int k = 0; k < kMaxPieces; ++k) scale[r][k] = 1.f;
   if (p.pro == Prologue::Norm) {
-    float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < kMaxPieces; ++k)
-      ss = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, fmaf(v[k].w, v[k].w, ss))));
-    ss = warp_sum(ss);
-    if (lane == 0) red[w] = ss;
+    for (int r = 0; r < NR; ++r) {
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; ++k) {
+        const float4 a = v[r][k];
+        ss = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, fmaf(a.w, a.w, ss))));
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) red[r * kRed + w] = ss;
+    }
     // The routing warp waits for these sums there (see route_warp).
     if (arrive) asm volatile("bar.arrive %0, %1;" ::"n"(kRouteRmsBar), "r"(n + 32) : "memory");
     named_bar(bar_id, n);
-    float tot = 0.f;
-    for (int i = 0; i < nwarps; ++i) tot += red[i];
-    const float r = 1.f / sqrtf(tot / static_cast<float>(p.seg) + p.eps);
 #pragma unroll
-    for (int k = 0; k < kMaxPieces; ++k) scale[k] = r;
+    for (int r = 0; r < NR; ++r) {
+      float tot = 0.f;
+      for (int i = 0; i < nwarps; ++i) tot += red[r * kRed + i];
+      const float rs = 1.f / sqrtf(tot / static_cast<float>(p.seg) + p.eps);
+#pragma unroll
+      for (int k = 0; k < kMaxPieces; ++k) scale[r][k] = rs;
+    }
   } else if (p.pro == Prologue::GatedNorm) {
     // Every piece's segment sum at once (the same warp sums, their shuffle
     // rounds interleaved rather than one dependent chain per piece); pieces
     // past the input are zeros and unused.
-    float ss[kMaxPieces];
 #pragma unroll
-    for (int k = 0; k < kMaxPieces; ++k)
-      ss[k] = fmaf(v[k].x, v[k].x, fmaf(v[k].y, v[k].y, fmaf(v[k].z, v[k].z, v[k].w * v[k].w)));
-    if constexpr (Pairs) {
-      // A segment: the pairs of 16 lanes.
+    for (int r = 0; r < NR; ++r) {
+      float ss[kMaxPieces];
 #pragma unroll
-      for (int k = 0; k < kMaxPieces; k += 2) ss[k] += ss[k + 1];
+      for (int k = 0; k < kMaxPieces; ++k) {
+        const float4 a = v[r][k];
+        ss[k] = fmaf(a.x, a.x, fmaf(a.y, a.y, fmaf(a.z, a.z, a.w * a.w)));
+      }
+      if constexpr (Pairs) {
+        // A segment: the pairs of 16 lanes.
 #pragma unroll
-      for (int o = 8; o > 0; o >>= 1)
+        for (int k = 0; k < kMaxPieces; k += 2) ss[k] += ss[k + 1];
 #pragma unroll
-        for (int k = 0; k < kMaxPieces; k += 2) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+        for (int o = 8; o > 0; o >>= 1)
 #pragma unroll
-      for (int k = 0; k < kMaxPieces; k += 2) scale[k] = scale[k + 1] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
-    } else {
+          for (int k = 0; k < kMaxPieces; k += 2) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
+        for (int k = 0; k < kMaxPieces; k += 2) scale[r][k] = scale[r][k + 1] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+      } else {
 #pragma unroll
-        for (int k = 0; k < kMaxPieces; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+        for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
-      for (int k = 0; k < kMaxPieces; ++k) scale[k] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+          for (int k = 0; k < kMaxPieces; ++k) ss[k] += __shfl_xor_sync(0xffffffffu, ss[k], o);
+#pragma unroll
+        for (int k = 0; k < kMaxPieces; ++k) scale[r][k] = 1.f / sqrtf(ss[k] / 128.f + p.eps);
+      }
     }
   }
   if (p.trace.recs) {
-    asm volatile("" ::"f"(scale[0]), "f"(scale[kMaxPieces - 1]));
+    asm volatile("" ::"f"(scale[0][0]), "f"(scale[0][kMaxPieces - 1]));
     trace_clock(p.trace, 6);
   }
-  auto scaled = [&](int k) {
+  auto scaled = [&](int r, int k) {
     const int f = stage_piece<Pairs>(t, k, n);
-    float4 a = v[k];
+    float4 a = v[r][k];
     if (p.pro != Prologue::None && f < n4) {
-      float4 g = sr.a[k];
+      float4 g = p.pro == Prologue::GatedNorm ? zref(r, k) : sr.a[k];
       if (p.pro == Prologue::GatedNorm) {
         const float4 gw = (Pairs && (k & 1)) ? sr.g2 : sr.g;
         g = make_float4(gw.x * silu_fast(g.x), gw.y * silu_fast(g.y), gw.z * silu_fast(g.z), gw.w * silu_fast(g.w));
       }
-      const float s = scale[k];
+      const float s = scale[r][k];
       a = make_float4(a.x * s * g.x, a.y * s * g.y, a.z * s * g.z, a.w * s * g.w);
     }
     return a;
   };
   if constexpr (XB != 0) {
     static_assert(kMaxPieces == 4, "two pairs");
-    put_pairs_n<XB, 2>(smem + L.xs, p.chunks, t, n, NP, scaled);
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+      put_pairs_n<XB, 2>(smem + L.xs + r * rstride, p.chunks, t, n, NP, [&](int k) { return scaled(r, k); });
   } else {
 #pragma unroll
     for (int k = 0; k < kMaxPieces; ++k) {
       if (k * n + w * 32 >= NP) break;  // warp-uniform
-      put_piece<F>(smem + L.xs, smem + L.xsum, t + k * n, NP, scaled(k));
+      put_piece<F>(smem + L.xs, smem + L.xsum, t + k * n, NP, scaled(0, k));
     }
   }
 }
@@ -969,12 +1004,42 @@ __device__ __forceinline__ void fold_load(const RouterFold& f, const TileRows& t
   }
 }
 
+// compute_item_x over NR input rows (MatvecParams::nrows): the item's
+// weights and scales decoded once, each row's sums as compute_item_x's.
+template <int XB, int NR>
+__device__ __forceinline__ void compute_item_xr(const ItemRegs& it, int c0, int chunks, int sb_f16,
+                                                const float* xs0, int rstride, float (&acc)[NR][2]) {
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int c = c0 + 32 * u;
+    if (c < chunks) {
+      const float2 sb0 = decode_sb(it.s[u][0], sb_f16), sb1 = decode_sb(it.s[u][1], sb_f16);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const float* xr = xs0 + r * rstride;
+        int d[2];
+        chunk_dot_x<XB, 2>(it.w[u], reinterpret_cast<const uint4*>(xr), c, d);
+        const float2 meta = XCodes<XB>::meta(xr, chunks)[c];
+        acc[r][0] += x_term(sb0, d[0], meta);
+        acc[r][1] += x_term(sb1, d[1], meta);
+      }
+    }
+  }
+}
+// A row's staged integer input (floats; codes, then the chunks' float2s),
+// 16-byte aligned: the shared memory of one row of a several-row launch.
+__host__ __device__ inline int matvec_row_floats(int chunks, int xbits) {
+  return ((xbits == 16 ? 16 : 8) * chunks + 2 * chunks + 3) & ~3;
+}
+
 // Route: the launch has a route prologue (a separate instantiation, so the
 // other matvecs keep their registers).
 // Dn: the in_proj with the DeltaNet step (dnp; see dn_tile_rows).
-template <QFmt F, bool Route, bool Fast, bool Fold = false, int XB = 0, bool Dn = false>
+// NR > 1: NR input rows (MatvecParams::nrows), integer inputs only.
+template <QFmt F, bool Route, bool Fast, bool Fold = false, int XB = 0, bool Dn = false, int NR = 1>
 __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecDnParams* dnp = nullptr) {
   static_assert(XB == 0 || (F == QFmt::Q4 && Fast), "integer inputs: q4 with the one-pass staging");
+  static_assert(NR == 1 || (XB != 0 && !Route && !Fold && !Dn), "several rows: plain integer-input launches");
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
@@ -1068,7 +1133,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
     dn_pos = dn->ctrl->pos;  // written by the previous token's lm_head only
     if (dn_step) dn_prefetch(*dn, smem, dl, dn_h, dn_cb, dn_pos);
   }
-  __shared__ float s_red[kMatvecThreads / 32];
+  __shared__ float s_red[NR * (kMatvecThreads / 32)];
+  const int rstride = NR > 1 ? matvec_row_floats(chunks, XB) : 0;
   pdl_wait();
   pdl_launch_dependents();
   trace_mark(p.trace, 1);
@@ -1092,7 +1158,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
       if (p.route.experts <= 256) route_warp<8>(p, s_sel_idx, red, nred, issue_first, true);
       else route_warp<kMaxRouteExperts / 32>(p, s_sel_idx, red, nred, issue_first, true);
     } else {
-      stage_fast<F, XB>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red);
+      stage_fast<F, XB, NR>(p, smem, L, tid - st0, blockDim.x - st0, 1, s_red, sr, rms_red, rstride);
       if constexpr (Route) {
         // Wait for the selection only, then issue the routed loads (the
         // routing warp still works out the weights; v18).
@@ -1127,6 +1193,9 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
   float best_v = -INFINITY;
   int best_i = 0x7fffffff;
   float acc[2] = {0.f, 0.f};
+  float accr[NR][2];  // NR > 1: the rows' sums
+#pragma unroll
+  for (int r = 0; r < NR; ++r) accr[r][0] = accr[r][1] = 0.f;
   for (int q = 0, tl = 0, k = 0; q < nq; ++q) {
     // Item q is (tile tl, step k); q + 1 is (tl1, k1), without a division.
     const int tl1 = k + 1 == niter ? tl + 1 : tl, k1 = k + 1 == niter ? 0 : k + 1;
@@ -1137,11 +1206,32 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
       load_item<CF::affine>(tr_nxt, 64 * k1 + lane, chunks, cpg_sh, nxt);
     }
     if (tr_cur.valid) {
-      if constexpr (XB != 0) compute_item_x<XB>(cur, 64 * k + lane, chunks, p.sb_f16, xq, xm, acc);
+      if constexpr (NR > 1) compute_item_xr<XB, NR>(cur, 64 * k + lane, chunks, p.sb_f16, smem + L.xs, rstride, accr);
+      else if constexpr (XB != 0) compute_item_x<XB>(cur, 64 * k + lane, chunks, p.sb_f16, xq, xm, acc);
       else compute_item<F>(cur, 64 * k + lane, chunks, p.sb_f16, xs, xsum, acc);
     }
     if (q == 0) trace_clock(p.trace, 7);
-    if (k == niter - 1 && tr_cur.valid) {
+    if (NR > 1 && k == niter - 1 && tr_cur.valid) {
+      // Each input row's two sums as below (Store, Add or SwiGLU), its
+      // outputs at out + row * ldo.
+      const bool upper = lane & 16;
+      const long long ldo = p.jobs[tr_cur.job].ldo;
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        float v = (upper ? accr[i][1] : accr[i][0]) + __shfl_xor_sync(0xffffffffu, upper ? accr[i][0] : accr[i][1], 16);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const int r = tr_cur.r0 + (upper ? 1 : 0);
+        float* out = tr_cur.out + i * ldo;
+        if (p.epi == Epilogue::SwiGLU) {
+          const float up = __shfl_sync(0xffffffffu, v, 16);
+          if (lane == 0) out[r >> 1] = silu(v) * up;
+        } else if ((lane & 15) == 0 && (!upper || tr_cur.has_b)) {
+          if (p.epi == Epilogue::Store) out[r] = v;
+          else out[r] += v;
+        }
+      }
+    } else if (k == niter - 1 && tr_cur.valid) {
       // The two rows' sums by a reduce-scatter: one exchange at distance 16
       // (lanes 0-15 keep row 0, 16-31 row 1), then four levels; lane 0 ends
       // with row 0, lane 16 with row 1 (5 shuffles instead of 2 x 5).
@@ -1172,6 +1262,8 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
     if (k == niter - 1) {
       acc[0] = 0.f;
       acc[1] = 0.f;
+#pragma unroll
+      for (int r = 0; r < NR; ++r) accr[r][0] = accr[r][1] = 0.f;
       // Dn: the block's step tiles stored: arrive (its z tiles follow).
       if (Dn && tl == dt.se - dt.sb - 1) asm volatile("barrier.cluster.arrive.release;" ::: "memory");
     }
@@ -1274,6 +1366,13 @@ __global__ void __launch_bounds__(kMatvecThreads, 3) matvec_kernel_3(const __gri
 template <QFmt F, bool Fast, int XB = 0>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_dn_kernel(const __grid_constant__ MatvecDnParams p) {
   matvec_body<F, false, Fast, false, XB, true>(p.mv, &p);
+}
+// Several input rows (MatvecParams::nrows; no route, fold or argmax). MinB:
+// blocks per SM the registers must allow (2: at most 128, a few spills for
+// 2 rows; 1: none).
+template <int XB, int NR, int MinB = 1>
+__global__ void __launch_bounds__(kMatvecThreads, MinB) matvec_rows_kernel(const __grid_constant__ MatvecParams p) {
+  matvec_body<QFmt::Q4, false, true, false, XB, false, NR>(p);
 }
 // With the router fold (RouterFold) in the epilogue.
 template <QFmt F, bool Fast, int XB = 0>
@@ -1555,9 +1654,10 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
   const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(fmt), p.cols, nseg);
   // A fold launch reuses the staging memory for its block sums (8 warps x
-  // ld, + 8).
+  // ld, + 8); a several-row launch holds its rows' integer codes only.
   const int fold_floats = p.fold.acc ? (kMatvecThreads / 32) * (p.fold.ld + 1) : 0;
-  const size_t smem = size_t(std::max(L.total, fold_floats)) * 4;
+  const size_t smem = p.nrows > 1 ? size_t(p.nrows) * matvec_row_floats(p.chunks, p.act_bits) * 4
+                                  : size_t(std::max(L.total, fold_floats)) * 4;
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
@@ -1630,6 +1730,27 @@ struct DnKernels {
   template <QFmt F, bool Fast, int XB>
   static auto get() { return matvec_dn_kernel<F, Fast, XB>; }
 };
+
+template <int XB>
+void launch_matvec_rows(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  static bool init = [] {
+    allow_big_smem(matvec_rows_kernel<XB, 2>);
+    allow_big_smem(matvec_rows_kernel<XB, 2, 2>);
+    allow_big_smem(matvec_rows_kernel<XB, 3>);
+    allow_big_smem(matvec_rows_kernel<XB, 4>);
+    return true;
+  }();
+  (void)init;
+  // LILY_CUDA_ROWS_2PERSM=1: two rows at two blocks per SM (an A/B switch).
+  static const bool two = env_switch("LILY_CUDA_ROWS_2PERSM", 0);
+  static_assert(kMaxMatvecRows == 4, "instantiations for 2..4 rows");
+  switch (p.nrows) {
+    case 2:
+      return launch_matvec_k(two ? matvec_rows_kernel<XB, 2, 2> : matvec_rows_kernel<XB, 2>, QFmt::Q4, p, s, pdl);
+    case 3: return launch_matvec_k(matvec_rows_kernel<XB, 3>, QFmt::Q4, p, s, pdl);
+    default: return launch_matvec_k(matvec_rows_kernel<XB, 4>, QFmt::Q4, p, s, pdl);
+  }
+}
 
 template <QFmt F, bool Route>
 void launch_matvec_r(const MatvecParams& p, cudaStream_t s, bool pdl) {
@@ -1760,6 +1881,18 @@ void build_router_fold(const DevMatView& router, const DevMatView* sg, uint32_t*
   LILY_CUDA(cudaGetLastError());
 }
 
+bool matvec_rows_ok(const MatvecParams& p) {
+  if (p.nrows == 1) return true;
+  if (p.nrows < 1 || p.nrows > kMaxMatvecRows || p.fmt != QFmt::Q4 || (p.act_bits != 8 && p.act_bits != 16))
+    return false;
+  if (p.route.on() || p.fold.acc || p.argmax || p.fin != Finish::None || p.gate_z_early || p.zero_n > 0)
+    return false;
+  if (p.ldx % 4 != 0 || (p.gate_z && p.ldz % 4 != 0)) return false;  // every row 16-byte aligned
+  for (int j = 0; j < p.njobs; ++j)
+    if (p.jobs[j].slot >= 0) return false;
+  return use_fast_stage<QFmt::Q4>(p, kMatvecThreads);
+}
+
 void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("matvec: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
@@ -1789,6 +1922,12 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   }
   if (p.zero_n < 0 || (p.zero_n > 0 && !p.zero_acc)) fail("matvec: ", p.zero_n, " words to zero without a buffer");
   if (!act_bits_ok(p.act_bits)) fail("matvec: ", p.act_bits, "-bit inputs (0, 8 or 16)");
+  if (p.nrows != 1) {
+    if (!matvec_rows_ok(p))
+      fail("matvec: ", p.nrows, " input rows need q4 weights on integer inputs, the one-pass staging, aligned "
+           "rows and no route, fold, argmax, finish or early gate (1..", kMaxMatvecRows, " rows)");
+    return p.act_bits == 8 ? launch_matvec_rows<8>(p, s, pdl) : launch_matvec_rows<16>(p, s, pdl);
+  }
   switch (p.fmt) {
     case QFmt::Q4: return launch_matvec_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_matvec_t<QFmt::Q8>(p, s, pdl);
