@@ -339,12 +339,12 @@ void rows_match_one_row_launches() {
                            std::to_string(bits) + " rows " + std::to_string(nrows) + " prologue " +
                            std::to_string(pv) + " epilogue " + std::to_string(ep));
               const bool swiglu = ep == 2;  // one job: a's rows as gate / up pairs (76 rows: 38 outputs)
-              const int ra = swiglu ? 38 : 77, lda = ra + 5, ldb = 130 + 3;
+              const int ld = 130 + 3, lda = ld, ldb = ld;  // one row stride for every job
               cuda::MatvecParams p;
               cuda::set_layout(p, da.v);
               p.njobs = swiglu ? 1 : 2;
-              p.jobs[0] = {da.v.w, da.v.sb, swiglu ? 76 : 77, -1, 0, 0, nullptr, lda};
-              p.jobs[1] = {db.v.w, db.v.sb, 130, -1, 0, 0, nullptr, ldb};
+              p.jobs[0] = {da.v.w, da.v.sb, swiglu ? 76 : 77, -1, 0, 0, nullptr};
+              p.jobs[1] = {db.v.w, db.v.sb, 130, -1, 0, 0, nullptr};
               p.pro = static_cast<cuda::Prologue>(pv);
               p.norm_w = dnw.as<float>();
               p.seg = pv == 2 ? 128 : cols;
@@ -367,6 +367,7 @@ void rows_match_one_row_launches() {
               q.x = dX.as<float>();
               q.ldx = ldx;
               q.ldz = ldz;
+              q.ldo = ld;
               q.jobs[0].out = oa.as<float>();
               q.jobs[1].out = ob.as<float>();
               ASSERT_TRUE(cuda::matvec_rows_ok(q));
@@ -427,7 +428,7 @@ TEST(CudaMatvecRows, RefusesWhatItCannotTake) {
   ok.act_bits = 16;
   ok.nrows = 3;
   ok.ldx = 256;
-  ok.jobs[0].ldo = 40;
+  ok.ldo = 40;
   EXPECT_TRUE(cuda::matvec_rows_ok(ok));
   std::vector<cuda::MatvecParams> bad(7, ok);
   bad[0].act_bits = 0;  // f32 inputs

@@ -211,6 +211,7 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
     o.prefill_chunk = chunk;
     o.attn_split = o.draft_runs = drafts;
     o.draft_graph = graph;
+    o.mv_rows = cuda::kMaxMatvecRows;  // runs of 2..4 tokens: the decode matvec over their rows
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;

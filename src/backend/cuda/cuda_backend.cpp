@@ -659,7 +659,7 @@ struct CudaBackend::Impl {
       group_params(p, g);
       p.nrows = T;
       p.ldx = ldx;
-      for (int j = 0; j < p.njobs; ++j) p.jobs[j].ldo = ldo;
+      p.ldo = ldo;
       if (!matvec_rows_ok(p)) return false;
       ps.push_back(p);
     }

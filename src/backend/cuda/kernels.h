@@ -128,7 +128,6 @@ struct MatvecJob {
   long long w_expert_stride = 0;   // uint4 per expert
   long long sb_expert_stride = 0;  // u32 per expert
   float* out = nullptr;
-  long long ldo = 0;  // several input rows (MatvecParams::nrows): row i's outputs at out + i * ldo
 };
 
 // MoE routing as a matvec prologue (the MoE gate_up launch): after the wait,
@@ -222,16 +221,16 @@ struct MatvecParams {
   // inputs"); 0: f32. Only with the one-pass staging; other formats and
   // stagings keep f32.
   int act_bits = 0;
+  TraceSpec trace;  // set by the launch function
   // Several input rows through one pass over the weights (a short run: a
   // draft's tokens): row i's input at x + i * ldx (its gate z at gate_z + i
   // * ldz), its outputs at each job's out + i * ldo. Each row is staged and
   // summed exactly as a launch of that row alone (the same bits). 2..
   // kMaxMatvecRows only with q4 weights on integer inputs (act_bits) and the
   // one-pass staging, without route, fold, argmax, finish or gate_z_early
-  // (matvec_rows_ok).
+  // (matvec_rows_ok). (Last, so the other fields keep their offsets.)
   int nrows = 1;
-  long long ldx = 0, ldz = 0;
-  TraceSpec trace;  // set by the launch function
+  long long ldx = 0, ldz = 0, ldo = 0;
 };
 constexpr int kMaxMatvecRows = 4;
 // Whether launch_matvec takes p with p.nrows rows (the shapes, format,

@@ -1215,14 +1215,13 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
       // Each input row's two sums as below (Store, Add or SwiGLU), its
       // outputs at out + row * ldo.
       const bool upper = lane & 16;
-      const long long ldo = p.jobs[tr_cur.job].ldo;
 #pragma unroll
       for (int i = 0; i < NR; ++i) {
         float v = (upper ? accr[i][1] : accr[i][0]) + __shfl_xor_sync(0xffffffffu, upper ? accr[i][0] : accr[i][1], 16);
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         const int r = tr_cur.r0 + (upper ? 1 : 0);
-        float* out = tr_cur.out + i * ldo;
+        float* out = tr_cur.out + i * p.ldo;
         if (p.epi == Epilogue::SwiGLU) {
           const float up = __shfl_sync(0xffffffffu, v, 16);
           if (lane == 0) out[r >> 1] = silu(v) * up;
