@@ -72,9 +72,9 @@ struct CudaOptions {
   // projections (in_proj, qkv, out_proj with its gated RMSNorm, lm_head) as
   // the decode matvec over the run's rows (MatvecParams::nrows: the input
   // norms fused, the weights read once), where the layouts allow it; 0 or 1:
-  // the skinny GEMMs. Off until it has run on a GPU (docs/cuda-prefill.md,
-  // "Short runs, round 4"; LILY_CUDA_MV_ROWS=4 turns it on).
-  int mv_rows = 0;
+  // the skinny GEMMs. 2 by default: a run of 2 gains ~4%, runs of 3 and 4
+  // lose 5% and 13% (H100; docs/cuda-prefill.md, "Short runs, round 4").
+  int mv_rows = 2;
   // The next layer's input RMSNorm written by the MoE's combine (every
   // prefill pass) instead of a launch of its own.
   bool fold_norms = true;
