@@ -339,7 +339,7 @@ void rows_match_one_row_launches() {
                            std::to_string(bits) + " rows " + std::to_string(nrows) + " prologue " +
                            std::to_string(pv) + " epilogue " + std::to_string(ep));
               const bool swiglu = ep == 2;  // one job: a's rows as gate / up pairs (76 rows: 38 outputs)
-              const int ld = 130 + 3, lda = ld, ldb = ld;  // one row stride for every job
+              const int ld = 130 + 3;  // one output row stride for every job
               cuda::MatvecParams p;
               cuda::set_layout(p, da.v);
               p.njobs = swiglu ? 1 : 2;
@@ -353,7 +353,7 @@ void rows_match_one_row_launches() {
               p.epi = static_cast<cuda::Epilogue>(ep);
               p.act_bits = bits;
               // Outputs: NaN (Store, SwiGLU) or random values to add to.
-              const size_t na = size_t(nrows) * lda, nb = size_t(nrows) * ldb;
+              const size_t na = size_t(nrows) * ld, nb = size_t(nrows) * ld;
               const auto init_a = random_vec(na, rng), init_b = random_vec(nb, rng);
               auto fill = [&](DeviceBuffer& d, const std::vector<float>& init) {
                 if (ep == 1) cuda::upload(d, init.data(), init.size());
@@ -375,8 +375,8 @@ void rows_match_one_row_launches() {
               const auto ga = to_host<float>(oa, na), gb = to_host<float>(ob, nb);
               for (int i = 0; i < nrows; ++i) {
                 DeviceBuffer ra1, rb1;
-                const std::vector<float> ia(init_a.begin() + size_t(i) * lda, init_a.begin() + size_t(i + 1) * lda),
-                    ib(init_b.begin() + size_t(i) * ldb, init_b.begin() + size_t(i + 1) * ldb);
+                const std::vector<float> ia(init_a.begin() + size_t(i) * ld, init_a.begin() + size_t(i + 1) * ld),
+                    ib(init_b.begin() + size_t(i) * ld, init_b.begin() + size_t(i + 1) * ld);
                 fill(ra1, ia);
                 fill(rb1, ib);
                 cuda::MatvecParams o = p;
@@ -385,11 +385,11 @@ void rows_match_one_row_launches() {
                 o.jobs[0].out = ra1.as<float>();
                 o.jobs[1].out = rb1.as<float>();
                 cuda::launch_matvec(o, nullptr, false);
-                const auto ea = to_host<float>(ra1, lda), eb = to_host<float>(rb1, ldb);
+                const auto ea = to_host<float>(ra1, ld), eb = to_host<float>(rb1, ld);
                 // Bit for bit, the gaps included (NaN or the initial values).
-                EXPECT_EQ(0, std::memcmp(ea.data(), ga.data() + size_t(i) * lda, lda * 4)) << "row " << i;
+                EXPECT_EQ(0, std::memcmp(ea.data(), ga.data() + size_t(i) * ld, ld * 4)) << "row " << i;
                 if (!swiglu) {
-                  EXPECT_EQ(0, std::memcmp(eb.data(), gb.data() + size_t(i) * ldb, ldb * 4)) << "row " << i;
+                  EXPECT_EQ(0, std::memcmp(eb.data(), gb.data() + size_t(i) * ld, ld * 4)) << "row " << i;
                 }
                 if (i == nrows - 1 && ep == 0) {
                   // And against the f32 product (the one-row kernel's own test
@@ -400,7 +400,7 @@ void rows_match_one_row_launches() {
                       cpu::rms_norm(&X[size_t(i) * ldx + sg * p.seg], nw.data(), p.seg, 1e-6f, &xin[sg * p.seg]);
                   if (pv == 2)
                     for (int k = 0; k < cols; ++k) xin[k] *= cpu::silu(Z[size_t(i) * ldz + k]);
-                  std::vector<float> got(ga.begin() + size_t(i) * lda, ga.begin() + size_t(i) * lda + 77);
+                  std::vector<float> got(ga.begin() + size_t(i) * ld, ga.begin() + size_t(i) * ld + 77);
                   EXPECT_LT(rel_err(got, cpu_matvec(a.m, xin)), f32_tol(bits));
                 }
               }
@@ -411,8 +411,6 @@ void rows_match_one_row_launches() {
 
 TEST(CudaMatvecRows, EachRowMatchesItsOwnLaunchBitForBit) {
   LILY_SKIP_WITHOUT_GPU();
-  rows_match_one_row_launches();
-  ScopedEnv env("LILY_CUDA_ROWS_2PERSM", "1");  // the register-capped two-row kernel
   rows_match_one_row_launches();
 }
 

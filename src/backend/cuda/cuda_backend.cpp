@@ -1505,7 +1505,7 @@ struct CudaBackend::Impl {
   // (null: left in pLogits, T <= kLogitRows).
   void all_logits(int T, float* dst) {
     const int H = c.hidden_size, V = c.vocab_size;
-    if (T <= kLogitRows && lm_rows(T)) {
+    if (lm_rows(T)) {  // a run of at most opt.mv_rows rows
       if (dst) {
         LILY_CUDA(cudaMemcpyAsync(dst, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
         LILY_CUDA(cudaStreamSynchronize(stream));

@@ -1004,6 +1004,17 @@ __device__ __forceinline__ void fold_load(const RouterFold& f, const TileRows& t
   }
 }
 
+// A warp's two row sums (a0: row 0, a1: row 1 of each lane's partials) by a
+// reduce-scatter: one exchange at distance 16 (lanes 0-15 keep row 0, 16-31
+// row 1), then four levels; lane 0 ends with row 0, lane 16 with row 1 (5
+// shuffles instead of 2 x 5).
+__device__ __forceinline__ float row_pair_sum(float a0, float a1, bool upper) {
+  float v = (upper ? a1 : a0) + __shfl_xor_sync(0xffffffffu, upper ? a0 : a1, 16);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // compute_item_x over NR input rows (MatvecParams::nrows): the item's
 // weights and scales decoded once, each row's sums as compute_item_x's.
 template <int XB, int NR>
@@ -1217,9 +1228,7 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
       const bool upper = lane & 16;
 #pragma unroll
       for (int i = 0; i < NR; ++i) {
-        float v = (upper ? accr[i][1] : accr[i][0]) + __shfl_xor_sync(0xffffffffu, upper ? accr[i][0] : accr[i][1], 16);
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        const float v = row_pair_sum(accr[i][0], accr[i][1], upper);
         const int r = tr_cur.r0 + (upper ? 1 : 0);
         float* out = tr_cur.out + i * p.ldo;
         if (p.epi == Epilogue::SwiGLU) {
@@ -1231,13 +1240,9 @@ __device__ __forceinline__ void matvec_body(const MatvecParams& p, const MatvecD
         }
       }
     } else if (k == niter - 1 && tr_cur.valid) {
-      // The two rows' sums by a reduce-scatter: one exchange at distance 16
-      // (lanes 0-15 keep row 0, 16-31 row 1), then four levels; lane 0 ends
-      // with row 0, lane 16 with row 1 (5 shuffles instead of 2 x 5).
+      // The two rows' sums (lane 0: row 0, lane 16: row 1).
       const bool upper = lane & 16;
-      float v = (upper ? acc[1] : acc[0]) + __shfl_xor_sync(0xffffffffu, upper ? acc[0] : acc[1], 16);
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float v = row_pair_sum(acc[0], acc[1], upper);
       const int r = tr_cur.r0 + (upper ? 1 : 0);
       if (p.epi == Epilogue::SwiGLU) {
         const float up = __shfl_sync(0xffffffffu, v, 16);
@@ -1366,11 +1371,9 @@ template <QFmt F, bool Fast, int XB = 0>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_dn_kernel(const __grid_constant__ MatvecDnParams p) {
   matvec_body<F, false, Fast, false, XB, true>(p.mv, &p);
 }
-// Several input rows (MatvecParams::nrows; no route, fold or argmax). MinB:
-// blocks per SM the registers must allow (2: at most 128, a few spills for
-// 2 rows; 1: none).
-template <int XB, int NR, int MinB = 1>
-__global__ void __launch_bounds__(kMatvecThreads, MinB) matvec_rows_kernel(const __grid_constant__ MatvecParams p) {
+// Several input rows (MatvecParams::nrows; no route, fold or argmax).
+template <int XB, int NR>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_rows_kernel(const __grid_constant__ MatvecParams p) {
   matvec_body<QFmt::Q4, false, true, false, XB, false, NR>(p);
 }
 // With the router fold (RouterFold) in the epilogue.
@@ -1734,18 +1737,14 @@ template <int XB>
 void launch_matvec_rows(const MatvecParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
     allow_big_smem(matvec_rows_kernel<XB, 2>);
-    allow_big_smem(matvec_rows_kernel<XB, 2, 2>);
     allow_big_smem(matvec_rows_kernel<XB, 3>);
     allow_big_smem(matvec_rows_kernel<XB, 4>);
     return true;
   }();
   (void)init;
-  // LILY_CUDA_ROWS_2PERSM=1: two rows at two blocks per SM (an A/B switch).
-  static const bool two = env_switch("LILY_CUDA_ROWS_2PERSM", 0);
   static_assert(kMaxMatvecRows == 4, "instantiations for 2..4 rows");
   switch (p.nrows) {
-    case 2:
-      return launch_matvec_k(two ? matvec_rows_kernel<XB, 2, 2> : matvec_rows_kernel<XB, 2>, QFmt::Q4, p, s, pdl);
+    case 2: return launch_matvec_k(matvec_rows_kernel<XB, 2>, QFmt::Q4, p, s, pdl);
     case 3: return launch_matvec_k(matvec_rows_kernel<XB, 3>, QFmt::Q4, p, s, pdl);
     default: return launch_matvec_k(matvec_rows_kernel<XB, 4>, QFmt::Q4, p, s, pdl);
   }
