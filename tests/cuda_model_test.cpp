@@ -212,6 +212,7 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
     o.attn_split = o.draft_runs = drafts;
     o.draft_graph = graph;
     o.mv_rows = cuda::kMaxMatvecRows;  // runs of 2..4 tokens: the decode matvec over their rows
+    o.moe_rows = cuda::kMaxMoeRows;    // runs of 1..4 tokens: the decode MoE per row
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;
@@ -219,7 +220,8 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
 
 // Every prompt position through the prefill kernels (one pass, and chunks
 // of 7 and of 3 tokens: runs of up to CudaOptions::mv_rows take their q4
-// projections as the decode matvec over their rows), against the CPU
+// projections as the decode matvec over their rows, and runs of up to
+// CudaOptions::moe_rows their MoE as the decode MoE per row), against the CPU
 // backend and the reference.
 TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
   LILY_SKIP_WITHOUT_GPU();

@@ -101,6 +101,10 @@ CudaOptions options_from_env() {
     if (o.mv_rows < 0 || o.mv_rows > kMaxMatvecRows)
       fail("LILY_CUDA_MV_ROWS='", v, "': expected 0..", kMaxMatvecRows);
   }
+  if (const char* v = std::getenv("LILY_CUDA_MOE_ROWS")) {
+    o.moe_rows = std::atoi(v);
+    if (o.moe_rows < 0 || o.moe_rows > kMaxMoeRows) fail("LILY_CUDA_MOE_ROWS='", v, "': expected 0..", kMaxMoeRows);
+  }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";
@@ -327,6 +331,9 @@ struct CudaBackend::Impl {
   // Prefill workspace for chunks of up to p_rows tokens (grown on demand);
   // pTok holds a whole forward's token ids.
   DeviceBuffer pX, pXn, pAct, pProj, pDn, pQg, pRl, pSo, pMoeWs, pDnWs, pTok, pLogits;
+  // A short run's MoE as decode MoEs (CudaOptions::moe_rows): per row, the
+  // activations [k + 1][I], then the selection's ids [k] and weights [k + 1].
+  DeviceBuffer pMoeRows;
   // The prefill attention's split form (few queries over a long context).
   DeviceBuffer pAttnWs;
   // q8 KV: one layer's K and V rows in bf16 for the prefill attention,
@@ -646,6 +653,74 @@ struct CudaBackend::Impl {
       steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); }});
     }
   }
+  // The decode step's MoE of one token after its router: gate_up (post:
+  // the input's RMSNorm prologue) routes in its prologue from the router
+  // logits R ([E], the shared expert's gate logit at R + E), or from the
+  // layer's folded router sums where R is null, writes the selection to
+  // sidx / sw ([k], sw [k + 1] with the shared gate) and each expert's
+  // SwiGLU activations to Hb ([k + 1][I]); the down projections add their
+  // weighted sum into X.
+  void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, const float* R, int* sidx,
+               float* sw, float* Hb, float* X) {
+    const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size, H = c.hidden_size;
+    MatvecParams gu = post;
+    gu.epi = Epilogue::SwiGLU;
+    if (!R) {
+      gu.route.acc = L.fold.acc;
+      gu.route.acc_shared = L.has_shared ? 1 : 0;
+    } else {
+      gu.route.logits = R;
+      gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;
+    }
+    gu.route.experts = E;
+    gu.route.k = k;
+    gu.route.norm_topk = c.norm_topk_prob ? 1 : 0;
+    gu.route.sel_idx = sidx;
+    gu.route.sel_w = sw;
+    std::vector<JobSpec> gj;
+    for (int j = 0; j < k; ++j) gj.push_back({&L.experts_gate_up, Hb + size_t(j) * I, j, E});
+    if (L.has_shared) gj.push_back({&L.shared_gate_up, Hb + size_t(k) * I});
+    add_matvec(steps, "moe.gate_up", gj, gu);
+
+    // Down projections, summed with their weights into x.
+    std::vector<std::pair<const DevMat*, MoeDownJob>> dj;
+    for (int j = 0; j < k; ++j) {
+      MoeDownJob J;
+      J.w = L.experts_down.v.w;
+      J.sb = L.experts_down.v.sb;
+      J.expert = sidx + j;
+      J.experts = E;
+      J.w_expert_stride = static_cast<long long>(H) * L.experts_down.v.chunks;
+      J.sb_expert_stride = static_cast<long long>(H) * L.experts_down.v.groups;
+      J.x = Hb + size_t(j) * I;
+      J.coef = sw + j;
+      dj.push_back({&L.experts_down, J});
+    }
+    if (L.has_shared) {
+      MoeDownJob J;
+      J.w = L.shared_down.v.w;
+      J.sb = L.shared_down.v.sb;
+      J.x = Hb + size_t(k) * I;
+      J.coef = sw + k;
+      dj.push_back({&L.shared_down, J});
+    }
+    const auto dgroups = group_by_layout(
+        dj, [](const std::pair<const DevMat*, MoeDownJob>& j) -> const DevMatView& { return j.first->v; });
+    for (const auto& g : dgroups) {
+      MoeDownParams p;
+      set_layout(p, g[0].first->v);
+      p.act_bits = opt.act_bits;
+      p.rows = H;
+      p.njobs = static_cast<int>(g.size());
+      p.out = X;
+      double bytes = 0;
+      for (size_t i = 0; i < g.size(); ++i) {
+        p.jobs[i] = g[i].second;
+        bytes += g[i].second.expert ? double(g[i].first->v.bytes()) / E : double(g[i].first->v.bytes());
+      }
+      steps.push_back({"moe.down", bytes, 0, [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }});
+    }
+  }
   // A short run's projection as the decode matvec over its T rows
   // (CudaOptions::mv_rows; MatvecParams::nrows): x's rows at ldx, each job's
   // row i at its out + i * ldo. false, with nothing launched, where the run
@@ -854,7 +929,7 @@ struct CudaBackend::Impl {
         add_matvec(steps, "mlp.down", {{&L.mlp_down, X}}, dn);
         continue;
       }
-      const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size;
+      const int E = c.num_experts;
       float* R = rlog.as<float>();
       int* sidx = sel_idx.as<int>();
       float* sw = sel_w.as<float>();
@@ -867,63 +942,7 @@ struct CudaBackend::Impl {
         add_matvec(steps, "moe.router", rj, post);
       }
 
-      MatvecParams gu = post;
-      gu.epi = Epilogue::SwiGLU;
-      if (fold) {
-        gu.route.acc = L.fold.acc;
-        gu.route.acc_shared = L.has_shared ? 1 : 0;
-      } else {
-        gu.route.logits = R;
-        gu.route.shared_gate_logit = L.has_shared ? R + E : nullptr;
-      }
-      gu.route.experts = E;
-      gu.route.k = k;
-      gu.route.norm_topk = c.norm_topk_prob ? 1 : 0;
-      gu.route.sel_idx = sidx;
-      gu.route.sel_w = sw;
-      std::vector<JobSpec> gj;
-      for (int j = 0; j < k; ++j) gj.push_back({&L.experts_gate_up, Hb + size_t(j) * I, j, E});
-      if (L.has_shared) gj.push_back({&L.shared_gate_up, Hb + size_t(k) * I});
-      add_matvec(steps, "moe.gate_up", gj, gu);
-
-      // Down projections, summed with their weights into x.
-      std::vector<std::pair<const DevMat*, MoeDownJob>> dj;
-      for (int j = 0; j < k; ++j) {
-        MoeDownJob J;
-        J.w = L.experts_down.v.w;
-        J.sb = L.experts_down.v.sb;
-        J.expert = sidx + j;
-        J.experts = E;
-        J.w_expert_stride = static_cast<long long>(H) * L.experts_down.v.chunks;
-        J.sb_expert_stride = static_cast<long long>(H) * L.experts_down.v.groups;
-        J.x = Hb + size_t(j) * I;
-        J.coef = sw + j;
-        dj.push_back({&L.experts_down, J});
-      }
-      if (L.has_shared) {
-        MoeDownJob J;
-        J.w = L.shared_down.v.w;
-        J.sb = L.shared_down.v.sb;
-        J.x = Hb + size_t(k) * I;
-        J.coef = sw + k;
-        dj.push_back({&L.shared_down, J});
-      }
-      const auto dgroups = group_by_layout(
-          dj, [](const std::pair<const DevMat*, MoeDownJob>& j) -> const DevMatView& { return j.first->v; });
-      for (const auto& g : dgroups) {
-        MoeDownParams p;
-        set_layout(p, g[0].first->v);
-        p.act_bits = opt.act_bits;
-        p.rows = H;
-        p.njobs = static_cast<int>(g.size());
-        p.out = X;
-        double bytes = 0;
-        for (size_t i = 0; i < g.size(); ++i) {
-          p.jobs[i] = g[i].second;
-          bytes += g[i].second.expert ? double(g[i].first->v.bytes()) / E : double(g[i].first->v.bytes());
-        }
-        steps.push_back({"moe.down", bytes, 0, [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }});
-      }
+      add_moe(steps, L, post, fold ? nullptr : R, sidx, sw, Hb, X);
     }
     MatvecParams lm = norm_in;
     lm.norm_w = final_norm.as<float>();
@@ -1119,6 +1138,13 @@ struct CudaBackend::Impl {
     prefill_why.clear();
   }
 
+  // Floats of one row's area in pMoeRows: activations, ids, weights (each
+  // row's area on a 256-byte boundary).
+  size_t moe_row_floats() const {
+    const size_t k = size_t(c.num_experts_per_tok);
+    return ((k + 1) * size_t(c.moe_intermediate_size) + k + (k + 1) + 63) / 64 * 64;
+  }
+
   // Row strides and buffer sizes of the prefill workspace for chunks of up
   // to `rows` tokens.
   struct PrefillSizes {
@@ -1185,6 +1211,10 @@ struct CudaBackend::Impl {
       pRl.alloc(z.rl);
       pSo.alloc(z.so);
       pMoeWs.alloc(z.moe_ws);
+      if (!pMoeRows) {  // zeroed: the down launch may read a row's ids before its gate_up has written them
+        pMoeRows.alloc(size_t(kMaxMoeRows) * moe_row_floats() * 4);
+        LILY_CUDA(cudaMemset(pMoeRows.get(), 0, pMoeRows.bytes()));
+      }
     }
     pLogits.alloc(z.logits);
     if (z.wx > pWx.bytes()) pWx.alloc(z.wx);
@@ -1434,6 +1464,31 @@ struct CudaBackend::Impl {
       const PrefillWeight rg[2] = {W.router, W.shared_gate};
       prefill_gemm_fused(rg, D.has_shared ? 2 : 1, Xn, T, H, pRl.as<float>(), ldr, PrefillOut::F32, s, p_scr);
       marks.mark("router", s);
+      if (T <= opt.moe_rows) {
+        // A run of at most opt.moe_rows rows: the decode step's MoE once per
+        // row, routed from the row's logits (the same bits as a decode step
+        // on that row's residual and logits).
+        const int k = c.num_experts_per_tok;
+        for (int i = 0; i < T; ++i) {
+          float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
+          float* Hb = area;
+          int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
+          float* sw = reinterpret_cast<float*>(sidx + k);
+          MatvecParams post;
+          post.x = X + size_t(i) * H;
+          post.pro = Prologue::Norm;
+          post.seg = H;
+          post.eps = eps;
+          post.norm_w = D.post_norm.as<float>();
+          post.epi = Epilogue::Store;
+          std::vector<Step> st;
+          add_moe(st, D, post, pRl.as<float>() + size_t(i) * ldr, sidx, sw, Hb, X + size_t(i) * H);
+          for (const Step& step : st) step.run(s, prefill_pdl(T));
+        }
+        normed = false;
+        marks.mark("routed experts", s);
+        continue;
+      }
       PrefillMoeArgs m;
       m.T = T;
       m.E = E;

@@ -75,6 +75,11 @@ struct CudaOptions {
   // the skinny GEMMs. 2 by default: a run of 2 gains ~4%, runs of 3 and 4
   // lose 5% and 13% (H100; docs/cuda-prefill.md, "Short runs, round 4").
   int mv_rows = 2;
+  // Runs of up to this many tokens (0..kMaxMoeRows) take their MoE as the
+  // decode step's MoE once per row (gate_up routing in its prologue from the
+  // run's router logits, then the weighted down projections added to the
+  // row), instead of the planned prefill MoE; 0: the prefill MoE always.
+  int moe_rows = 2;
   // The next layer's input RMSNorm written by the MoE's combine (every
   // prefill pass) instead of a launch of its own.
   bool fold_norms = true;
@@ -95,8 +100,12 @@ struct CudaOptions {
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
-// LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4.
+// LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
+// LILY_CUDA_MOE_ROWS=0..4.
 CudaOptions options_from_env();
+
+// The most rows CudaOptions::moe_rows takes.
+constexpr int kMaxMoeRows = 4;
 
 struct KernelTiming {
   std::string name;
