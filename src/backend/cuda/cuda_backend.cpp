@@ -105,6 +105,10 @@ CudaOptions options_from_env() {
     o.moe_rows = std::atoi(v);
     if (o.moe_rows < 0 || o.moe_rows > kMaxMoeRows) fail("LILY_CUDA_MOE_ROWS='", v, "': expected 0..", kMaxMoeRows);
   }
+  if (const char* v = std::getenv("LILY_CUDA_MOE_ROW_STREAMS")) {
+    o.moe_row_streams = std::atoi(v);
+    if (o.moe_row_streams < 0 || o.moe_row_streams > 2) fail("LILY_CUDA_MOE_ROW_STREAMS='", v, "': expected 0..2");
+  }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";
@@ -416,9 +420,19 @@ struct CudaBackend::Impl {
   // to back instead of at the host's launch rate.
   std::map<int, cudaGraphExec_t> draft_exec;
 
+  // A short run's rows 1.. of the MoE (CudaOptions::moe_row_streams): their
+  // streams, the fork from the pass's stream and the joins back.
+  cudaStream_t row_stream[kMaxMoeRows - 1] = {};
+  cudaEvent_t row_fork = nullptr, row_join[kMaxMoeRows - 1] = {};
+
   ~Impl() {
     for (auto& [t, e] : draft_exec)
       if (e) cudaGraphExecDestroy(e);
+    for (cudaStream_t& r : row_stream)
+      if (r) cudaStreamDestroy(r);
+    for (cudaEvent_t& e : row_join)
+      if (e) cudaEventDestroy(e);
+    if (row_fork) cudaEventDestroy(row_fork);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -661,9 +675,10 @@ struct CudaBackend::Impl {
   // SwiGLU activations to Hb ([k + 1][I]); the down projections add their
   // weighted sum into X.
   void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, const float* R, int* sidx,
-               float* sw, float* Hb, float* X) {
+               float* sw, float* Hb, float* X, int grid_div = 1) {
     const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size, H = c.hidden_size;
     MatvecParams gu = post;
+    gu.grid_div = grid_div;
     gu.epi = Epilogue::SwiGLU;
     if (!R) {
       gu.route.acc = L.fold.acc;
@@ -713,6 +728,7 @@ struct CudaBackend::Impl {
       p.rows = H;
       p.njobs = static_cast<int>(g.size());
       p.out = X;
+      p.grid_div = grid_div;
       double bytes = 0;
       for (size_t i = 0; i < g.size(); ++i) {
         p.jobs[i] = g[i].second;
@@ -1469,7 +1485,15 @@ struct CudaBackend::Impl {
         // row, routed from the row's logits (the same bits as a decode step
         // on that row's residual and logits).
         const int k = c.num_experts_per_tok;
+        // Rows 1.. on streams of their own (moe_row_streams), forked after
+        // the router and joined before the next layer.
+        const int mode = T > 1 ? opt.moe_row_streams : 0;
+        if (mode) {
+          LILY_CUDA(cudaEventRecord(row_fork, s));
+          for (int i = 1; i < T; ++i) LILY_CUDA(cudaStreamWaitEvent(row_stream[i - 1], row_fork, 0));
+        }
         for (int i = 0; i < T; ++i) {
+          cudaStream_t si = mode && i > 0 ? row_stream[i - 1] : s;
           float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
           float* Hb = area;
           int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
@@ -1482,8 +1506,16 @@ struct CudaBackend::Impl {
           post.norm_w = D.post_norm.as<float>();
           post.epi = Epilogue::Store;
           std::vector<Step> st;
-          add_moe(st, D, post, pRl.as<float>() + size_t(i) * ldr, sidx, sw, Hb, X + size_t(i) * H);
-          for (const Step& step : st) step.run(s, prefill_pdl(T));
+          add_moe(st, D, post, pRl.as<float>() + size_t(i) * ldr, sidx, sw, Hb, X + size_t(i) * H,
+                  mode == 2 ? T : 1);
+          // A side stream's first launch follows the fork's event: no PDL.
+          for (size_t j = 0; j < st.size(); ++j) st[j].run(si, prefill_pdl(T) && !(si != s && j == 0));
+        }
+        if (mode) {
+          for (int i = 1; i < T; ++i) {
+            LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
+            LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
+          }
         }
         normed = false;
         marks.mark("routed experts", s);
@@ -1843,6 +1875,13 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   if (c.num_experts_per_tok + 1 > kMaxJobs)
     fail("cuda backend: top-", c.num_experts_per_tok, " routing is not supported (at most ", kMaxJobs - 1, ")");
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  if (c.num_experts > 0) {
+    for (int i = 0; i + 1 < kMaxMoeRows; ++i) {
+      LILY_CUDA(cudaStreamCreateWithFlags(&m.row_stream[i], cudaStreamNonBlocking));
+      LILY_CUDA(cudaEventCreateWithFlags(&m.row_join[i], cudaEventDisableTiming));
+    }
+    LILY_CUDA(cudaEventCreateWithFlags(&m.row_fork, cudaEventDisableTiming));
+  }
   m.upload_weights(*weights);
   m.alloc_workspace();
   prefill_set_skinny_rows(m.opt.skinny_rows);  // refuses values outside [0, 16]

@@ -80,6 +80,10 @@ struct CudaOptions {
   // run's router logits, then the weighted down projections added to the
   // row), instead of the planned prefill MoE; 0: the prefill MoE always.
   int moe_rows = 2;
+  // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
+  // on its own stream (the GPU runs them side by side); 2 the same with
+  // each launch's grid a 1 / T share of the SMs.
+  int moe_row_streams = 2;
   // The next layer's input RMSNorm written by the MoE's combine (every
   // prefill pass) instead of a launch of its own.
   bool fold_norms = true;
@@ -101,7 +105,7 @@ struct CudaOptions {
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
 // LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
-// LILY_CUDA_MOE_ROWS=0..4.
+// LILY_CUDA_MOE_ROWS=0..4, LILY_CUDA_MOE_ROW_STREAMS=0..2.
 CudaOptions options_from_env();
 
 // The most rows CudaOptions::moe_rows takes.

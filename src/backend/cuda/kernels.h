@@ -231,6 +231,9 @@ struct MatvecParams {
   // (matvec_rows_ok). (Last, so the other fields keep their offsets.)
   int nrows = 1;
   long long ldx = 0, ldz = 0, ldo = 0;
+  // The launch's grid at most 1 / grid_div of what the SMs hold (a launch
+  // that shares the GPU with another stream's; host only).
+  int grid_div = 1;
 };
 constexpr int kMaxMatvecRows = 4;
 // Whether launch_matvec takes p with p.nrows rows (the shapes, format,
@@ -260,6 +263,7 @@ struct MoeDownParams {
   int spec_ids = 1;      // set by launch_moe_down: expert ids read before the wait (2: wrongly, a test)
   int act_bits = 0;      // q4: integer inputs on IDP.4A, as MatvecParams::act_bits
   TraceSpec trace;  // set by the launch function
+  int grid_div = 1;  // as MatvecParams::grid_div (last: the other fields keep their offsets)
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
 

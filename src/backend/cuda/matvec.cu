@@ -1663,7 +1663,7 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
   if (tiles == 0) return;
-  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
+  const int max_grid = std::max(1, device_sm_count() * max_blocks_per_sm(kernel, smem) / std::max(1, p.grid_div));
   static const bool balanced = [] {
     const char* e = std::getenv("LILY_CUDA_BALANCE");
     return !(e && std::string(e) == "0");
@@ -1817,7 +1817,7 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
   const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
   if (tiles == 0) return;
-  const int max_grid = device_sm_count() * max_blocks_per_sm(kernel, smem);
+  const int max_grid = std::max(1, device_sm_count() * max_blocks_per_sm(kernel, smem) / std::max(1, p.grid_div));
   const int per_block = (tiles + max_grid - 1) / max_grid;
   const int grid = (tiles + per_block - 1) / per_block;
   q.trace = next_trace();
