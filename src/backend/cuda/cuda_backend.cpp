@@ -667,16 +667,24 @@ struct CudaBackend::Impl {
       steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); }});
     }
   }
-  // The decode step's MoE of one token after its router: gate_up (post:
-  // the input's RMSNorm prologue) routes in its prologue from the router
-  // logits R ([E], the shared expert's gate logit at R + E), or from the
-  // layer's folded router sums where R is null, writes the selection to
-  // sidx / sw ([k], sw [k + 1] with the shared gate) and each expert's
+  // The decode step's MoE of one token (post: the RMSNorm prologue on its
+  // residual row, which the down projections add to): the router matvec
+  // writes the logits to R ([E], the shared expert's gate logit at R + E),
+  // or, where R is null, the layer's folded router sums stand in for them;
+  // gate_up routes in its prologue (softmax, top k, the selection to sidx /
+  // sw: [k], sw [k + 1] with the shared gate) and writes each expert's
   // SwiGLU activations to Hb ([k + 1][I]); the down projections add their
-  // weighted sum into X.
-  void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, const float* R, int* sidx,
+  // weighted sum into X. grid_div: see MatvecParams::grid_div.
+  void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, float* R, int* sidx,
                float* sw, float* Hb, float* X, int grid_div = 1) {
     const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size, H = c.hidden_size;
+    if (R) {
+      MatvecParams rp = post;
+      rp.grid_div = grid_div;
+      std::vector<JobSpec> rj = {{&L.router, R}};
+      if (L.has_shared) rj.push_back({&L.shared_gate, R + E});
+      add_matvec(steps, "moe.router", rj, rp);
+    }
     MatvecParams gu = post;
     gu.grid_div = grid_div;
     gu.epi = Epilogue::SwiGLU;
@@ -945,19 +953,10 @@ struct CudaBackend::Impl {
         add_matvec(steps, "mlp.down", {{&L.mlp_down, X}}, dn);
         continue;
       }
-      const int E = c.num_experts;
       float* R = rlog.as<float>();
       int* sidx = sel_idx.as<int>();
       float* sw = sel_w.as<float>();
       float* Hb = moe_h.as<float>();
-      // Router logits (+ the shared-expert gate logit); gate_up routes in its
-      // prologue (softmax, top-k, weights to sel_idx / sel_w for down).
-      if (!fold) {
-        std::vector<JobSpec> rj = {{&L.router, R}};
-        if (L.has_shared) rj.push_back({&L.shared_gate, R + E});
-        add_matvec(steps, "moe.router", rj, post);
-      }
-
       add_moe(steps, L, post, fold ? nullptr : R, sidx, sw, Hb, X);
     }
     MatvecParams lm = norm_in;
@@ -1465,6 +1464,12 @@ struct CudaBackend::Impl {
         prefill_gemm(W.o, A, T, lda, X, H, PrefillOut::F32Add, s, p_scr);
         marks.mark("attn o_proj", s);
       }
+      if (D.is_moe && T <= opt.moe_rows) {  // the decode MoE per row
+        moe_rows_pass(D, T, s);
+        normed = false;
+        marks.mark("routed experts", s);
+        continue;
+      }
       prefill_rmsnorm(X, H, D.post_norm.as<float>(), T, H, eps, Xn, H, s);
       marks.mark("norms", s);
       if (!D.is_moe) {
@@ -1480,47 +1485,6 @@ struct CudaBackend::Impl {
       const PrefillWeight rg[2] = {W.router, W.shared_gate};
       prefill_gemm_fused(rg, D.has_shared ? 2 : 1, Xn, T, H, pRl.as<float>(), ldr, PrefillOut::F32, s, p_scr);
       marks.mark("router", s);
-      if (T <= opt.moe_rows) {
-        // A run of at most opt.moe_rows rows: the decode step's MoE once per
-        // row, routed from the row's logits (the same bits as a decode step
-        // on that row's residual and logits).
-        const int k = c.num_experts_per_tok;
-        // Rows 1.. on streams of their own (moe_row_streams), forked after
-        // the router and joined before the next layer.
-        const int mode = T > 1 ? opt.moe_row_streams : 0;
-        if (mode) {
-          LILY_CUDA(cudaEventRecord(row_fork, s));
-          for (int i = 1; i < T; ++i) LILY_CUDA(cudaStreamWaitEvent(row_stream[i - 1], row_fork, 0));
-        }
-        for (int i = 0; i < T; ++i) {
-          cudaStream_t si = mode && i > 0 ? row_stream[i - 1] : s;
-          float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
-          float* Hb = area;
-          int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
-          float* sw = reinterpret_cast<float*>(sidx + k);
-          MatvecParams post;
-          post.x = X + size_t(i) * H;
-          post.pro = Prologue::Norm;
-          post.seg = H;
-          post.eps = eps;
-          post.norm_w = D.post_norm.as<float>();
-          post.epi = Epilogue::Store;
-          std::vector<Step> st;
-          add_moe(st, D, post, pRl.as<float>() + size_t(i) * ldr, sidx, sw, Hb, X + size_t(i) * H,
-                  mode == 2 ? T : 1);
-          // A side stream's first launch follows the fork's event: no PDL.
-          for (size_t j = 0; j < st.size(); ++j) st[j].run(si, prefill_pdl(T) && !(si != s && j == 0));
-        }
-        if (mode) {
-          for (int i = 1; i < T; ++i) {
-            LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
-            LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
-          }
-        }
-        normed = false;
-        marks.mark("routed experts", s);
-        continue;
-      }
       PrefillMoeArgs m;
       m.T = T;
       m.E = E;
@@ -1566,6 +1530,47 @@ struct CudaBackend::Impl {
       m.workspace_bytes = pMoeWs.bytes();
       prefill_moe(m, s);
       marks.mark("routed experts", s);
+    }
+  }
+
+  // A run of at most opt.moe_rows rows: the MoE as the decode step's
+  // (router, gate_up routing in its prologue, down) once per residual row,
+  // each row's launches the same bits as a decode step's on that row; rows
+  // 1.. on streams of their own (moe_row_streams), forked from s and joined
+  // back into it.
+  void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s) {
+    const int H = c.hidden_size, k = c.num_experts_per_tok;
+    float* X = pX.as<float>();
+    const int mode = T > 1 ? opt.moe_row_streams : 0;
+    if (mode) {
+      LILY_CUDA(cudaEventRecord(row_fork, s));
+      for (int i = 1; i < T; ++i) LILY_CUDA(cudaStreamWaitEvent(row_stream[i - 1], row_fork, 0));
+    }
+    for (int i = 0; i < T; ++i) {
+      cudaStream_t si = mode && i > 0 ? row_stream[i - 1] : s;
+      float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
+      float* Hb = area;
+      int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
+      float* sw = reinterpret_cast<float*>(sidx + k);
+      float* Xi = X + size_t(i) * H;
+      MatvecParams post;
+      post.x = Xi;
+      post.pro = Prologue::Norm;
+      post.seg = H;
+      post.eps = c.rms_norm_eps;
+      post.norm_w = D.post_norm.as<float>();
+      post.epi = Epilogue::Store;
+      std::vector<Step> st;
+      add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi,
+              mode == 2 ? T : 1);
+      // A side stream's first launch follows the fork's event: no PDL.
+      for (size_t j = 0; j < st.size(); ++j) st[j].run(si, prefill_pdl(T) && !(si != s && j == 0));
+    }
+    if (mode) {
+      for (int i = 1; i < T; ++i) {
+        LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
+        LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
+      }
     }
   }
 
