@@ -76,10 +76,13 @@ struct CudaOptions {
   // lose 5% and 13% (H100; docs/cuda-prefill.md, "Short runs, round 4").
   int mv_rows = 2;
   // Runs of up to this many tokens (0..kMaxMoeRows) take their MoE as the
-  // decode step's MoE once per row (gate_up routing in its prologue from the
-  // run's router logits, then the weighted down projections added to the
-  // row), instead of the planned prefill MoE; 0: the prefill MoE always.
-  int moe_rows = 2;
+  // decode step's MoE once per row (the router matvec, gate_up routing in
+  // its prologue, the weighted down projections added to the row), instead
+  // of the planned prefill MoE; 0: the prefill MoE always. Off by default
+  // until it has been measured on a GPU (built in session 33 without one;
+  // the prefill test backends turn it on; docs/cuda-prefill.md "Short runs,
+  // round 5").
+  int moe_rows = 0;
   // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
   // on its own stream (the GPU runs them side by side); 2 the same with
   // each launch's grid a 1 / T share of the SMs.
