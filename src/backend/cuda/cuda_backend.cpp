@@ -765,7 +765,8 @@ struct CudaBackend::Impl {
     for (const MatvecParams& p : ps) launch_matvec(p, s, prefill_pdl(T));
     return true;
   }
-  // The input RMSNorm's matvec prologue over the residual rows (matvec_rows).
+  // The RMSNorm matvec prologue (norm_w) on the residual rows: the input norm
+  // of matvec_rows, the post-attention norm of moe_rows_pass (x set per row).
   MatvecParams norm_rows(const DeviceBuffer& norm_w) const {
     MatvecParams p;
     p.x = pX.as<float>();
@@ -1553,13 +1554,8 @@ struct CudaBackend::Impl {
       int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
       float* sw = reinterpret_cast<float*>(sidx + k);
       float* Xi = X + size_t(i) * H;
-      MatvecParams post;
+      MatvecParams post = norm_rows(D.post_norm);
       post.x = Xi;
-      post.pro = Prologue::Norm;
-      post.seg = H;
-      post.eps = c.rms_norm_eps;
-      post.norm_w = D.post_norm.as<float>();
-      post.epi = Epilogue::Store;
       std::vector<Step> st;
       add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi,
               mode == 2 ? T : 1);
