@@ -78,11 +78,11 @@ struct CudaOptions {
   // Runs of up to this many tokens (0..kMaxMoeRows) take their MoE as the
   // decode step's MoE once per row (the router matvec, gate_up routing in
   // its prologue, the weighted down projections added to the row), instead
-  // of the planned prefill MoE; 0: the prefill MoE always. Off by default
-  // until it has been measured on a GPU (built in session 33 without one;
-  // the prefill test backends turn it on; docs/cuda-prefill.md "Short runs,
-  // round 5").
-  int moe_rows = 0;
+  // of the planned prefill MoE; 0: the prefill MoE always. 2 by default: a
+  // run of 2 takes ~8% fewer decode steps' time, runs of 3 and 4 ~8% and
+  // ~20% more than with the prefill MoE (H100; the prefill test backends
+  // take it up to kMaxMoeRows; docs/cuda-prefill.md "Short runs, round 5").
+  int moe_rows = 2;
   // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
   // on its own stream (the GPU runs them side by side); 2 the same with
   // each launch's grid a 1 / T share of the SMs.
