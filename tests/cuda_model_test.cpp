@@ -198,19 +198,21 @@ RowsCheck check_rows(const float* got, const float* want, int n, int V, int stri
 
 // drafts: the draft runs and the attention's split form on (CudaOptions,
 // the default), else both off (the whole-context attention kernel); graph:
-// draft runs as one CUDA graph (CudaOptions::draft_graph).
+// draft runs as CUDA graphs in this many pieces (CudaOptions::draft_graph,
+// draft_graph_parts; 0: eagerly).
 Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvType kv = cuda::KvType::BF16,
-                              bool drafts = false, bool graph = false) {
+                              bool drafts = false, int graph = 0) {
   static std::map<std::string, std::unique_ptr<Backend>> cache;
   auto& b = cache[fixture + "/" + std::to_string(chunk) + "/" + cuda::kv_type_name(kv) + (drafts ? "/d" : "") +
-                  (graph ? "/g" : "")];
+                  (graph ? "/g" + std::to_string(graph) : "")];
   if (!b) {
     cuda::CudaOptions o = cuda::options_from_env();
     o.kv = kv;
     o.prefill = true;
     o.prefill_chunk = chunk;
     o.attn_split = o.draft_runs = drafts;
-    o.draft_graph = graph;
+    o.draft_graph = graph > 0;
+    o.draft_graph_parts = std::max(1, graph);
     o.mv_rows = cuda::kMaxMatvecRows;  // runs of 2..4 tokens: the decode matvec over their rows
     o.moe_rows = cuda::kMaxMoeRows;    // runs of 1..4 tokens: the decode MoE per row
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
@@ -465,13 +467,16 @@ TEST(CudaModel, DraftRunsKeepPrefixes) {
 // back) leaves a cache whose next steps agree with one that ran only the
 // kept tokens (through the prefill kernels as one run: the same kernels
 // over fewer rows), within the prefill's own chunking differences, and
-// differ from one that kept the whole run. Run eagerly and as one CUDA
-// graph per run (CudaOptions::draft_graph: the same kernels, the same bits).
+// differ from one that kept the whole run. Run eagerly, as one CUDA graph
+// per run and as graphs of three pieces of the layers each
+// (CudaOptions::draft_graph, draft_graph_parts: the same kernels, the same
+// bits; a run of 5 takes the prefill MoE, whose combine writes the next
+// layer's input norm across a piece's end).
 TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
   LILY_SKIP_WITHOUT_GPU();
-  for (const bool graph : {false, true})
+  for (const int graph : {0, 1, 3})
   for (const char* fixture : {"qwen3_5_moe", "qwen3_5", "qwen3"}) {
-    SCOPED_TRACE(::testing::Message() << fixture << (graph ? " (the run as a graph)" : ""));
+    SCOPED_TRACE(::testing::Message() << fixture << " graph pieces " << graph);
     auto ref = load_reference(fixture, "long");
     Backend& g = cuda_prefill_backend(fixture, 4096, cuda::KvType::BF16, true, graph);
     ASSERT_EQ(g.max_draft_run(), cuda::CudaBackend::kMaxDraftRun);
@@ -510,8 +515,8 @@ TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
                                  std::vector<float>(&all[t * V], &all[(t + 1) * V]));
         else  // a cache that kept the whole run is far off: the check can fail
           EXPECT_GT(row_err(&all[t * V], &next[t * V], V), 10 * std::max(e, 1e-3)) << "step " << t;
-        std::printf("[ cuda     ] %s%s draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
-                    fixture, graph ? " (graph)" : "", keep, t, e);
+        std::printf("[ cuda     ] %s (graph pieces %d) draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
+                    fixture, graph, keep, t, e);
       }
     }
   }

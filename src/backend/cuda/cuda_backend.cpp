@@ -110,6 +110,11 @@ CudaOptions options_from_env() {
     if (o.moe_row_streams < 0 || o.moe_row_streams > 2) fail("LILY_CUDA_MOE_ROW_STREAMS='", v, "': expected 0..2");
   }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH_PARTS")) {
+    o.draft_graph_parts = std::atoi(v);
+    if (o.draft_graph_parts < 1 || o.draft_graph_parts > 16)
+      fail("LILY_CUDA_DRAFT_GRAPH_PARTS='", v, "': expected 1..16");
+  }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ACT")) {
@@ -418,7 +423,20 @@ struct CudaBackend::Impl {
   // executable graph per run length, its parameters replaced by each run's
   // capture (cudaGraphExecUpdate), so the GPU takes the pass's launches back
   // to back instead of at the host's launch rate.
-  std::map<int, cudaGraphExec_t> draft_exec;
+  // Keyed by (run length, piece: CudaOptions::draft_graph_parts).
+  std::map<std::pair<int, int>, cudaGraphExec_t> draft_exec;
+  // LILY_CUDA_DRAFT_TIMING=1: the host's time in draft_pass_graph per run
+  // length (the capture, and all of it up to the last launch), printed to
+  // stderr when the backend goes.
+  struct DraftHost {
+    int runs = 0;
+    double capture_us = 0, host_us = 0;
+  };
+  const bool draft_timing = [] {
+    const char* v = std::getenv("LILY_CUDA_DRAFT_TIMING");
+    return v && std::string(v) == "1";
+  }();
+  std::map<int, DraftHost> draft_host;
 
   // A short run's rows 1.. of the MoE (CudaOptions::moe_row_streams): their
   // streams, the fork from the pass's stream and the joins back.
@@ -426,6 +444,9 @@ struct CudaBackend::Impl {
   cudaEvent_t row_fork = nullptr, row_join[kMaxMoeRows - 1] = {};
 
   ~Impl() {
+    for (const auto& [T, h] : draft_host)
+      std::fprintf(stderr, "draft graph host time T=%d: %d runs, capture %.1f us, to the last launch %.1f us (%d pieces)\n",
+                   T, h.runs, h.capture_us / h.runs, h.host_us / h.runs, opt.draft_graph_parts);
     for (auto& [t, e] : draft_exec)
       if (e) cudaGraphExecDestroy(e);
     for (cudaStream_t& r : row_stream)
@@ -1318,9 +1339,14 @@ struct CudaBackend::Impl {
   // instead of the shared workspace (a draft run's replay input), and for
   // runs of at most prefill_skinny_rows() tokens the DeltaNet writes the
   // state and ring as they were to cache.draft.state / conv (longer runs:
-  // forward_draft copies them first).
-  void prefill_layers(CudaCache& cache, const int* tokens, int T, int P, bool record = false) {
+  // forward_draft copies them first). Layers [l0, l1) only (l1 < 0: to
+  // the last; the embedding with l0 == 0); normed_io carries whether Xn
+  // already holds layer l0's input norm in and layer l1's out (a pass in
+  // pieces: draft_pass_graph).
+  void prefill_layers(CudaCache& cache, const int* tokens, int T, int P, bool record = false, int l0 = 0,
+                      int l1 = -1, bool* normed_io = nullptr) {
     cudaStream_t s = stream;
+    if (l1 < 0) l1 = c.num_layers;
     const int H = c.hidden_size;
     const float eps = c.rms_norm_eps;
     float* X = pX.as<float>();
@@ -1328,11 +1354,14 @@ struct CudaBackend::Impl {
     uint16_t* A = pAct.as<uint16_t>();
     const size_t lda = p_ld_act, ldp = p_ld_proj;
     const PrefillScratch p_scr{pWx.get(), pWx.bytes()};  // empty below 1024-token chunks
-    marks.mark("start", s);
-    launch_embed_rows(embed.v, tokens, T, X, H, s);
-    marks.mark("embed", s);
-    bool normed = false;  // Xn already holds this layer's input norm (the previous MoE's combine wrote it)
-    for (int l = 0; l < c.num_layers; ++l) {
+    if (l0 == 0) {
+      marks.mark("start", s);
+      launch_embed_rows(embed.v, tokens, T, X, H, s);
+      marks.mark("embed", s);
+    }
+    // Xn already holds this layer's input norm (the previous MoE's combine wrote it).
+    bool normed = l0 > 0 && normed_io && *normed_io;
+    for (int l = l0; l < l1; ++l) {
       const LayerDev& D = layers[l];
       const PrefillLayer& W = pl[l];
       // The layer's input norm: by the MoE combine before (normed), in the
@@ -1532,6 +1561,7 @@ struct CudaBackend::Impl {
       prefill_moe(m, s);
       marks.mark("routed experts", s);
     }
+    if (normed_io) *normed_io = normed;
   }
 
   // A run of at most opt.moe_rows rows: the MoE as the decode step's
@@ -1667,44 +1697,72 @@ struct CudaBackend::Impl {
   }
 
   // One draft run of T (<= kLogitRows) tokens already on the device (pTok)
-  // as a graph: the layers with the record, the final norm and the lm_head
-  // GEMM; then the logits to the host. false (nothing run) when the capture
-  // or the graph fails: the caller runs the pass eagerly.
+  // as graphs: the layers with the record, the final norm and the lm_head
+  // GEMM; then the logits to the host. The pass is captured in
+  // opt.draft_graph_parts pieces of consecutive layers, each updated into
+  // its executable graph and launched before the next is captured, so the
+  // host's capture of a piece overlaps the GPU's run of the one before.
+  // false (nothing run) when the first piece's capture or graph fails: the
+  // caller runs the pass eagerly; a later piece's failure runs the rest of
+  // the pass eagerly here.
   bool draft_pass_graph(CudaCache& cache, int T, int P, float* out_logits) {
-    const int H = c.hidden_size, V = c.vocab_size;
-    cudaGraph_t g = nullptr;
-    LILY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    bool ok = true;
-    try {
-      prefill_layers(cache, pTok.as<int>(), T, P, /*record=*/true);
+    const int H = c.hidden_size, V = c.vocab_size, L = c.num_layers;
+    const int parts = std::clamp(opt.draft_graph_parts, 1, L);
+    const auto t_start = std::chrono::steady_clock::now();
+    double capture_us = 0;
+    auto logits_tail = [&] {
       if (!lm_rows(T)) {
         prefill_rmsnorm(pX.as<float>(), H, final_norm.as<float>(), T, H, c.rms_norm_eps, pXn.as<uint16_t>(), H,
                         stream);
         prefill_gemm(pw_lm, pXn.as<uint16_t>(), T, H, pLogits.get(), V, PrefillOut::F32, stream);
       }
-    } catch (const Error&) {
-      ok = false;
-    }
-    ok = cudaStreamEndCapture(stream, &g) == cudaSuccess && ok && g;
-    cudaGetLastError();
-    cudaGraphExec_t& ex = draft_exec[T];
-    if (ok && ex) {
-      cudaGraphExecUpdateResultInfo info{};
-      if (cudaGraphExecUpdate(ex, g, &info) != cudaSuccess) {
-        cudaGetLastError();
-        cudaGraphExecDestroy(ex);
-        ex = nullptr;
+    };
+    bool normed = false;  // across the pieces: see prefill_layers
+    for (int k = 0; k < parts; ++k) {
+      const int l0 = k * L / parts, l1 = (k + 1) * L / parts;
+      const bool normed_in = normed;
+      const auto t0 = std::chrono::steady_clock::now();
+      cudaGraph_t g = nullptr;
+      LILY_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      bool ok = true;
+      try {
+        prefill_layers(cache, pTok.as<int>(), T, P, /*record=*/true, l0, l1, &normed);
+        if (k + 1 == parts) logits_tail();
+      } catch (const Error&) {
+        ok = false;
       }
+      ok = cudaStreamEndCapture(stream, &g) == cudaSuccess && ok && g;
+      cudaGetLastError();
+      capture_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      cudaGraphExec_t& ex = draft_exec[{T, k}];
+      if (ok && ex) {
+        cudaGraphExecUpdateResultInfo info{};
+        if (cudaGraphExecUpdate(ex, g, &info) != cudaSuccess) {
+          cudaGetLastError();
+          cudaGraphExecDestroy(ex);
+          ex = nullptr;
+        }
+      }
+      if (ok && !ex) ok = cudaGraphInstantiate(&ex, g, 0) == cudaSuccess;
+      if (g) cudaGraphDestroy(g);
+      cudaGetLastError();
+      if (!ok) {
+        if (ex) cudaGraphExecDestroy(ex);
+        ex = nullptr;
+        if (k == 0) return false;
+        normed = normed_in;  // the rest eagerly, from this piece on
+        prefill_layers(cache, pTok.as<int>(), T, P, /*record=*/true, l0, L, &normed);
+        logits_tail();
+        break;
+      }
+      LILY_CUDA(cudaGraphLaunch(ex, stream));
     }
-    if (ok && !ex) ok = cudaGraphInstantiate(&ex, g, 0) == cudaSuccess;
-    if (g) cudaGraphDestroy(g);
-    cudaGetLastError();
-    if (!ok) {
-      if (ex) cudaGraphExecDestroy(ex);
-      ex = nullptr;
-      return false;
+    if (draft_timing) {
+      auto& t = draft_host[T];
+      t.runs += 1;
+      t.capture_us += capture_us;
+      t.host_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t_start).count();
     }
-    LILY_CUDA(cudaGraphLaunch(ex, stream));
     if (out_logits)
       LILY_CUDA(cudaMemcpyAsync(out_logits, pLogits.get(), size_t(T) * V * 4, cudaMemcpyDeviceToHost, stream));
     return true;

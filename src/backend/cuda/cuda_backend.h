@@ -93,6 +93,10 @@ struct CudaOptions {
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
+  // That pass captured in this many pieces of consecutive layers (1..16),
+  // each launched before the next is captured, so the host's capture
+  // overlaps the GPU's run of the piece before.
+  int draft_graph_parts = 1;
   // A draft run's rows sampled on the device (forward_draft_sample) rather
   // than copied to the host (LILY_CUDA_DRAFT_SAMPLE=0 turns it off;
   // docs/cuda-decode.md "v23").
@@ -106,7 +110,7 @@ struct CudaOptions {
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
-// LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_MOE_GROUPED=0|1,
+// LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_DRAFT_GRAPH_PARTS=1..16, LILY_CUDA_MOE_GROUPED=0|1,
 // LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
 // LILY_CUDA_MOE_ROWS=0..4, LILY_CUDA_MOE_ROW_STREAMS=0..2.
 CudaOptions options_from_env();
