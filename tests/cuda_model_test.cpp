@@ -214,7 +214,9 @@ Backend& cuda_prefill_backend(const std::string& fixture, int chunk, cuda::KvTyp
     o.draft_graph = graph > 0;
     o.draft_graph_parts = std::max(1, graph);
     o.mv_rows = cuda::kMaxMatvecRows;  // runs of 2..4 tokens: the decode matvec over their rows
-    o.moe_rows = cuda::kMaxMoeRows;    // runs of 1..4 tokens: the decode MoE per row
+    // Runs of 1..4 tokens (chunks of 7: up to kMaxMoeRows) their MoE as the
+    // decode MoE per row; a draft run of 5 the prefill MoE.
+    o.moe_rows = chunk == 7 ? cuda::kMaxMoeRows : 4;
     b = cuda::make_cuda_backend(load_model(fixture_dir(fixture)), o);
   }
   return *b;

@@ -31,6 +31,9 @@ std::string default_backend_kind();
 
 namespace cuda {
 
+// The most rows CudaOptions::moe_rows takes.
+constexpr int kMaxMoeRows = 8;
+
 struct CudaOptions {
   // KV cache rows: bf16; q8 (8-bit codes with one f32 scale per row, half the
   // bytes: the attention reads at long contexts halve); f32 (tight comparisons).
@@ -78,11 +81,12 @@ struct CudaOptions {
   // Runs of up to this many tokens (0..kMaxMoeRows) take their MoE as the
   // decode step's MoE once per row (the router matvec, gate_up routing in
   // its prologue, the weighted down projections added to the row), instead
-  // of the planned prefill MoE; 0: the prefill MoE always. 2 by default: a
-  // run of 2 takes ~8% fewer decode steps' time, runs of 3 and 4 ~8% and
-  // ~20% more than with the prefill MoE (H100; the prefill test backends
-  // take it up to kMaxMoeRows; docs/cuda-prefill.md "Short runs, round 5").
-  int moe_rows = 2;
+  // of the planned prefill MoE; 0: the prefill MoE always. kMaxMoeRows (8)
+  // by default: with the draft graph in pieces, runs of 2, 3, 4, 5, 6 and 8
+  // take 1.6, 2.0, 2.25, 2.5, 2.85 and 3.5 decode steps against 2.15, 2.55,
+  // 2.65, 2.9, 3.3 and 3.7 with the prefill MoE (H100, 4K;
+  // docs/cuda-prefill.md "Short runs, round 5" and "round 6").
+  int moe_rows = kMaxMoeRows;
   // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
   // on its own stream (the GPU runs them side by side); 2 the same with
   // each launch's grid a 1 / T share of the SMs.
@@ -95,8 +99,11 @@ struct CudaOptions {
   bool draft_graph = true;
   // That pass captured in this many pieces of consecutive layers (1..16),
   // each launched before the next is captured, so the host's capture
-  // overlaps the GPU's run of the piece before.
-  int draft_graph_parts = 1;
+  // (0.35-1.3 ms a pass on the H100 machines) overlaps the GPU's run of the
+  // piece before: a run of 2 1.61 decode steps against ~2.0-2.3 in one
+  // piece and 1.80 without a graph (docs/cuda-prefill.md "Short runs,
+  // round 6").
+  int draft_graph_parts = 16;
   // A draft run's rows sampled on the device (forward_draft_sample) rather
   // than copied to the host (LILY_CUDA_DRAFT_SAMPLE=0 turns it off;
   // docs/cuda-decode.md "v23").
@@ -112,11 +119,9 @@ struct CudaOptions {
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_DRAFT_GRAPH_PARTS=1..16, LILY_CUDA_MOE_GROUPED=0|1,
 // LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
-// LILY_CUDA_MOE_ROWS=0..4, LILY_CUDA_MOE_ROW_STREAMS=0..2.
+// LILY_CUDA_MOE_ROWS=0..8, LILY_CUDA_MOE_ROW_STREAMS=0..2.
 CudaOptions options_from_env();
 
-// The most rows CudaOptions::moe_rows takes.
-constexpr int kMaxMoeRows = 4;
 
 struct KernelTiming {
   std::string name;
