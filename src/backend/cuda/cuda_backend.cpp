@@ -112,8 +112,8 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH_PARTS")) {
     o.draft_graph_parts = std::atoi(v);
-    if (o.draft_graph_parts < 1 || o.draft_graph_parts > 16)
-      fail("LILY_CUDA_DRAFT_GRAPH_PARTS='", v, "': expected 1..16");
+    if (o.draft_graph_parts < 1 || o.draft_graph_parts > 64)
+      fail("LILY_CUDA_DRAFT_GRAPH_PARTS='", v, "': expected 1..64 (at most one piece a layer)");
   }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_SAMPLE")) o.draft_sample = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_SAMPLE_WHOLE")) o.sample_whole = std::string(v) != "0";

@@ -97,12 +97,12 @@ struct CudaOptions {
   // A draft run's pass captured and replayed as one CUDA graph (updated per
   // run), instead of ~600 launches from the host.
   bool draft_graph = true;
-  // That pass captured in this many pieces of consecutive layers (1..16),
-  // each launched before the next is captured, so the host's capture
-  // (0.35-1.3 ms a pass on the H100 machines) overlaps the GPU's run of the
-  // piece before: a run of 2 1.61 decode steps against ~2.0-2.3 in one
-  // piece and 1.80 without a graph (docs/cuda-prefill.md "Short runs,
-  // round 6").
+  // That pass captured in this many pieces of consecutive layers (1..64, at
+  // most one a layer), each launched before the next is captured, so the
+  // host's capture (0.34-1.36 ms a pass on the H100 machines) overlaps the
+  // GPU's run of the piece before: a run of 2 1.61 decode steps against
+  // ~2.0-2.3 in one piece and 1.80 without a graph (docs/cuda-prefill.md
+  // "Short runs, round 6").
   int draft_graph_parts = 16;
   // A draft run's rows sampled on the device (forward_draft_sample) rather
   // than copied to the host (LILY_CUDA_DRAFT_SAMPLE=0 turns it off;
@@ -117,7 +117,7 @@ struct CudaOptions {
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
 // LILY_CUDA_ATTN_SPLIT=0|1, LILY_CUDA_DRAFT=0|1, LILY_CUDA_SKINNY=0..16,
-// LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_DRAFT_GRAPH_PARTS=1..16, LILY_CUDA_MOE_GROUPED=0|1,
+// LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_DRAFT_GRAPH_PARTS=1..64, LILY_CUDA_MOE_GROUPED=0|1,
 // LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
 // LILY_CUDA_MOE_ROWS=0..8, LILY_CUDA_MOE_ROW_STREAMS=0..2.
 CudaOptions options_from_env();
