@@ -524,6 +524,17 @@ TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
   }
 }
 
+// CudaOptions::moe_rows by the model's shape (no GPU needed): the measured
+// break-evens of Qwen3.6-35B-A3B (256 experts, top 8: 8 rows) and
+// Qwen3-30B-A3B (128, top 8: 4), at least one row with experts, none without.
+TEST(CudaOptions, AutoMoeRowsFollowTheShape) {
+  EXPECT_EQ(cuda::auto_moe_rows(256, 8), 8);
+  EXPECT_EQ(cuda::auto_moe_rows(128, 8), 4);
+  EXPECT_EQ(cuda::auto_moe_rows(4096, 2), cuda::kMaxMoeRows);
+  EXPECT_EQ(cuda::auto_moe_rows(8, 2), 1);
+  EXPECT_EQ(cuda::auto_moe_rows(0, 0), 0);
+}
+
 // The step trace (lily bench --trace): one entry per launch of the step, in
 // order, each with blocks whose marks are ordered in time.
 TEST(CudaModel, StepTraceCoversEveryLaunch) {

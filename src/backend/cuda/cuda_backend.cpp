@@ -77,6 +77,11 @@ bool cuda_device_present() {
 
 namespace cuda {
 
+int auto_moe_rows(int experts, int k) {
+  if (experts <= 0 || k <= 0) return 0;
+  return std::clamp(experts / (4 * k), 1, kMaxMoeRows);
+}
+
 CudaOptions options_from_env() {
   CudaOptions o;
   if (const char* kv = std::getenv("LILY_CUDA_KV")) {
@@ -1931,6 +1936,8 @@ CudaBackend::CudaBackend(std::unique_ptr<ModelWeights> weights, const CudaOption
   m.opt = options;
   if (m.opt.max_splits < 1 || m.opt.max_splits > 1024) fail("cuda backend: max_splits must be in [1, 1024]");
   const ModelConfig& c = m.c;
+  if (m.opt.moe_rows < 0) m.opt.moe_rows = auto_moe_rows(c.num_experts, c.num_experts_per_tok);
+  if (m.opt.moe_rows > kMaxMoeRows) fail("cuda backend: moe_rows must be at most ", kMaxMoeRows);
   if (c.num_experts_per_tok + 1 > kMaxJobs)
     fail("cuda backend: top-", c.num_experts_per_tok, " routing is not supported (at most ", kMaxJobs - 1, ")");
   LILY_CUDA(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));

@@ -81,12 +81,16 @@ struct CudaOptions {
   // Runs of up to this many tokens (0..kMaxMoeRows) take their MoE as the
   // decode step's MoE once per row (the router matvec, gate_up routing in
   // its prologue, the weighted down projections added to the row), instead
-  // of the planned prefill MoE; 0: the prefill MoE always. kMaxMoeRows (8)
-  // by default: with the draft graph in pieces, runs of 2, 3, 4, 5, 6 and 8
-  // take 1.6, 2.0, 2.25, 2.5, 2.85 and 3.5 decode steps against 2.15, 2.55,
-  // 2.65, 2.9, 3.3 and 3.7 with the prefill MoE (H100, 4K;
-  // docs/cuda-prefill.md "Short runs, round 5" and "round 6").
-  int moe_rows = kMaxMoeRows;
+  // of the planned prefill MoE; 0: the prefill MoE always; -1 (the
+  // default): by the model's shape, auto_moe_rows. The per-row MoE reads
+  // each row's experts, the prefill MoE each expert once for the run, so
+  // the rows pay while the run's picks rarely share experts: Qwen3.6-35B-A3B
+  // (256 experts, top 8) up to 8 (runs of 2, 3, 5, 8 at 1.6, 2.0, 2.5, 3.5
+  // decode steps against 2.15, 2.55, 2.9, 3.7), Qwen3-30B-A3B (128, top 8)
+  // up to 4 (runs of 2 / 3 1.41 / 1.69 against 1.82 / 1.88; 4 even; 6 / 8
+  // 2.5 / 3.1 against 2.1 / 2.25) (H100, 4K; docs/cuda-prefill.md "Short
+  // runs, round 5" and "round 6").
+  int moe_rows = -1;
   // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
   // on its own stream (the GPU runs them side by side); 2 the same with
   // each launch's grid a 1 / T share of the SMs.
@@ -113,6 +117,9 @@ struct CudaOptions {
   // (LILY_CUDA_SAMPLE_WHOLE=0 turns it off; docs/cuda-decode.md "v24").
   bool sample_whole = true;
 };
+// CudaOptions::moe_rows by the model's shape: experts / (4 k) runs of rows,
+// 1..kMaxMoeRows (0 without experts).
+int auto_moe_rows(int experts, int k);
 // Defaults overridden by LILY_CUDA_KV=f32|bf16|q8, LILY_CUDA_PDL=0|1,
 // LILY_CUDA_GRAPHS=0|1, LILY_CUDA_PREFILL=0|1, LILY_CUDA_PREFILL_CHUNK=n,
 // LILY_CUDA_ROUTER_FOLD=0|1, LILY_CUDA_DN_IN=0|1, LILY_CUDA_ACT=q16|q8|f32,
