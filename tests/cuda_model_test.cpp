@@ -517,7 +517,8 @@ TEST(CudaModel, PrefillDraftRunsKeepPrefixes) {
                                  std::vector<float>(&all[t * V], &all[(t + 1) * V]));
         else  // a cache that kept the whole run is far off: the check can fail
           EXPECT_GT(row_err(&all[t * V], &next[t * V], V), 10 * std::max(e, 1e-3)) << "step " << t;
-        std::printf("[ cuda     ] %s (graph pieces %d) draft run of 5, kept %d, step %d: rel err vs the kept tokens' run %.2e\n",
+        std::printf("[ cuda     ] %s (graph pieces %d) draft run of 5, kept %d, step %d: "
+                    "rel err vs the kept tokens' run %.2e\n",
                     fixture, graph, keep, t, e);
       }
     }

@@ -424,11 +424,11 @@ struct CudaBackend::Impl {
     }
   } marks;
 
-  // A draft run's pass as one CUDA graph (CudaOptions::draft_graph): one
-  // executable graph per run length, its parameters replaced by each run's
-  // capture (cudaGraphExecUpdate), so the GPU takes the pass's launches back
-  // to back instead of at the host's launch rate.
-  // Keyed by (run length, piece: CudaOptions::draft_graph_parts).
+  // A draft run's pass as CUDA graphs (CudaOptions::draft_graph): one
+  // executable graph per run length and piece (draft_graph_parts), its
+  // parameters replaced by each run's capture (cudaGraphExecUpdate), so the
+  // GPU takes the pass's launches back to back instead of at the host's
+  // launch rate.
   std::map<std::pair<int, int>, cudaGraphExec_t> draft_exec;
   // LILY_CUDA_DRAFT_TIMING=1: the host's time in draft_pass_graph per run
   // length (the capture, and all of it up to the last launch), printed to
@@ -450,7 +450,9 @@ struct CudaBackend::Impl {
 
   ~Impl() {
     for (const auto& [T, h] : draft_host)
-      std::fprintf(stderr, "draft graph host time T=%d: %d runs, capture %.1f us, to the last launch %.1f us (%d pieces)\n",
+      std::fprintf(stderr,
+                   "draft graph host time T=%d: %d runs, capture %.1f us, "
+                   "to the last launch %.1f us (%d pieces)\n",
                    T, h.runs, h.capture_us / h.runs, h.host_us / h.runs, opt.draft_graph_parts);
     for (auto& [t, e] : draft_exec)
       if (e) cudaGraphExecDestroy(e);
