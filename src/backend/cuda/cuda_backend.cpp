@@ -1584,6 +1584,21 @@ struct CudaBackend::Impl {
       LILY_CUDA(cudaEventRecord(row_fork, s));
       for (int i = 1; i < T; ++i) LILY_CUDA(cudaStreamWaitEvent(row_stream[i - 1], row_fork, 0));
     }
+    // The rows' streams join s again (checked) after the rows; where an
+    // error is thrown between the fork and that join, the guard joins them
+    // on the way out without throwing, so they are neither left forked nor,
+    // during a graph capture, unjoined in it.
+    struct Join {
+      Impl& m;
+      int rows;
+      cudaStream_t s;
+      bool done = false;
+      ~Join() {
+        for (int i = 1; !done && i < rows; ++i)
+          if (cudaEventRecord(m.row_join[i - 1], m.row_stream[i - 1]) == cudaSuccess)
+            cudaStreamWaitEvent(s, m.row_join[i - 1], 0);
+      }
+    } join{*this, mode ? T : 0, s};
     for (int i = 0; i < T; ++i) {
       cudaStream_t si = mode && i > 0 ? row_stream[i - 1] : s;
       float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
@@ -1599,11 +1614,10 @@ struct CudaBackend::Impl {
       // A side stream's first launch follows the fork's event: no PDL.
       for (size_t j = 0; j < st.size(); ++j) st[j].run(si, prefill_pdl(T) && !(si != s && j == 0));
     }
-    if (mode) {
-      for (int i = 1; i < T; ++i) {
-        LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
-        LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
-      }
+    join.done = true;
+    for (int i = 1; mode && i < T; ++i) {
+      LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
+      LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
     }
   }
 
