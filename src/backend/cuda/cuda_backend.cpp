@@ -442,6 +442,9 @@ struct CudaBackend::Impl {
     return v && std::string(v) == "1";
   }();
   std::map<int, DraftHost> draft_host;
+  // The pieces a draft pass is captured in: draft_graph_parts, at most one
+  // a layer.
+  int draft_pieces() const { return std::clamp(opt.draft_graph_parts, 1, c.num_layers); }
 
   // A short run's rows 1.. of the MoE (CudaOptions::moe_row_streams): their
   // streams, the fork from the pass's stream and the joins back.
@@ -453,7 +456,7 @@ struct CudaBackend::Impl {
       std::fprintf(stderr,
                    "draft graph host time T=%d: %d runs, capture %.1f us, "
                    "to the last launch %.1f us (%d pieces)\n",
-                   T, h.runs, h.capture_us / h.runs, h.host_us / h.runs, opt.draft_graph_parts);
+                   T, h.runs, h.capture_us / h.runs, h.host_us / h.runs, draft_pieces());
     for (auto& [t, e] : draft_exec)
       if (e) cudaGraphExecDestroy(e);
     for (cudaStream_t& r : row_stream)
@@ -1728,7 +1731,7 @@ struct CudaBackend::Impl {
   // the pass eagerly here.
   bool draft_pass_graph(CudaCache& cache, int T, int P, float* out_logits) {
     const int H = c.hidden_size, V = c.vocab_size, L = c.num_layers;
-    const int parts = std::clamp(opt.draft_graph_parts, 1, L);
+    const int parts = draft_pieces();
     const auto t_start = std::chrono::steady_clock::now();
     double capture_us = 0;
     auto logits_tail = [&] {
