@@ -910,6 +910,166 @@ TEST(CudaMoeDown, IntInputsMatchEmulation) {
   g_down_bits = 0;
 }
 
+// A short run's MoE rows as one launch per kernel (launch_matvec_grid,
+// launch_moe_down_grid): T residual rows each through the decode MoE (q8
+// router + shared gate with the input RMSNorm, routed q4 gate_up, weighted
+// down added to the row), once as three launches per row and once as three
+// launches over all rows; every output of every row bit for bit equal.
+// 45 experts (router rows off the tiles), top 5, 320 inputs, 128-wide
+// experts (the shared one too: one down launch takes one layout; every
+// matrix's inputs a whole number of 64-wide groups).
+void moe_grid_rows_match_row_launches(int T, int bits) {
+  std::mt19937 rng(11 + T);
+  const int E = 45, k = 5, H = 320, I = 128, Is = I;
+  auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
+  auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
+  auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
+  ExpertStack es = random_expert_stack(E, I, H, rng, 3);
+  auto shg = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
+  auto shu = random_matrix(WeightFormat::Affine4, Is, H, 64, DType::BF16, rng);
+  auto dsh = cuda::upload_interleaved(shg.m, shu.m, 4);
+  std::vector<test::HostMatrix> downs;
+  for (int e = 0; e < E; ++e) downs.push_back(random_matrix(WeightFormat::Affine4, H, I, 64, DType::BF16, rng));
+  cuda::MatPacker pk(downs[0].m, H * E);
+  for (auto& d : downs) pk.add_all(d.m);
+  auto dstack = pk.finish(5);
+  auto shd = random_matrix(WeightFormat::Affine4, H, Is, 64, DType::BF16, rng);
+  auto dshd = cuda::upload_matrix(shd.m, 6);
+  const auto nw = random_vec(H, rng, 0.5f, 1.5f);
+  auto dnw = to_device(nw);
+  const auto x0 = random_vec(size_t(T) * H, rng, -3, 3);
+  // Per row: logits [E + 1], selection ids [k], weights [k + 1], the
+  // experts' activations [k * I + Is]; two sets (row launches, grid).
+  const int hb = k * I + Is;
+  struct Set {
+    DeviceBuffer x, logits, sel_idx, sel_w, act;
+  };
+  auto make_set = [&] {
+    Set z{to_device(x0), poisoned(size_t(T) * (E + 1)), DeviceBuffer(size_t(T) * k * 4),
+          poisoned(size_t(T) * (k + 1)), poisoned(size_t(T) * hb)};
+    LILY_CUDA(cudaMemset(z.sel_idx.get(), 0xff, z.sel_idx.bytes()));
+    return z;
+  };
+  Set a = make_set(), g = make_set();
+  auto row_params = [&](Set& z, int i, cuda::MatvecParams& rp, cuda::MatvecParams& gp, cuda::MoeDownParams& dp) {
+    float* x = z.x.as<float>() + size_t(i) * H;
+    float* lg = z.logits.as<float>() + size_t(i) * (E + 1);
+    int* sidx = z.sel_idx.as<int>() + size_t(i) * k;
+    float* sw = z.sel_w.as<float>() + size_t(i) * (k + 1);
+    float* act = z.act.as<float>() + size_t(i) * hb;
+    rp = cuda::MatvecParams{};
+    cuda::set_layout(rp, dr.v);
+    rp.njobs = 2;
+    rp.jobs[0] = {dr.v.w, dr.v.sb, E, -1, 0, 0, lg};
+    rp.jobs[1] = {dsg.v.w, dsg.v.sb, 1, -1, 0, 0, lg + E};
+    rp.x = x;
+    rp.pro = cuda::Prologue::Norm;
+    rp.norm_w = dnw.as<float>();
+    rp.seg = H;
+    rp.act_bits = bits;
+    rp.grid_div = T;
+    gp = rp;
+    cuda::set_layout(gp, es.stack.v);
+    gp.route = {lg, E, k, 1, lg + E, sidx, sw};
+    gp.njobs = k + 1;
+    for (int j = 0; j < k; ++j)
+      gp.jobs[j] = {es.stack.v.w, es.stack.v.sb, 2 * I, j, 2LL * I * es.stack.v.chunks,
+                    2LL * I * es.stack.v.groups, act + j * I};
+    gp.jobs[k] = {dsh.v.w, dsh.v.sb, 2 * Is, -1, 0, 0, act + k * I};
+    gp.epi = cuda::Epilogue::SwiGLU;
+    dp = cuda::MoeDownParams{};
+    cuda::set_layout(dp, dstack.v);
+    dp.rows = H;
+    dp.njobs = k + 1;
+    for (int j = 0; j <= k; ++j) {
+      cuda::MoeDownJob& q = dp.jobs[j];
+      const bool sh = j == k;
+      q.w = sh ? dshd.v.w : dstack.v.w;
+      q.sb = sh ? dshd.v.sb : dstack.v.sb;
+      q.expert = sh ? nullptr : sidx + j;
+      q.experts = E;
+      q.w_expert_stride = 1LL * H * dstack.v.chunks;
+      q.sb_expert_stride = 1LL * H * dstack.v.groups;
+      q.x = act + j * I;
+      q.coef = sw + j;
+    }
+    dp.out = x;
+    dp.act_bits = bits;
+    dp.grid_div = T;
+  };
+  std::vector<cuda::MatvecParams> rps(T), gps(T);
+  std::vector<cuda::MoeDownParams> dps(T);
+  for (int i = 0; i < T; ++i) {
+    row_params(a, i, rps[i], gps[i], dps[i]);
+    cuda::launch_matvec(rps[i], nullptr, false);
+    cuda::launch_matvec(gps[i], nullptr, false);
+    cuda::launch_moe_down(dps[i], nullptr, false);
+  }
+  for (int i = 0; i < T; ++i) row_params(g, i, rps[i], gps[i], dps[i]);
+  ASSERT_TRUE(cuda::matvec_grid_ok(rps.data(), T));
+  ASSERT_TRUE(cuda::matvec_grid_ok(gps.data(), T));
+  ASSERT_TRUE(cuda::moe_down_grid_ok(dps.data(), T));
+  cuda::launch_matvec_grid(rps.data(), T, nullptr, false);
+  cuda::launch_matvec_grid(gps.data(), T, nullptr, true);
+  cuda::launch_moe_down_grid(dps.data(), T, nullptr, true);
+  auto same = [&](const DeviceBuffer& p, const DeviceBuffer& q, size_t n, const char* what) {
+    const auto u = to_host<uint32_t>(p, n), v = to_host<uint32_t>(q, n);
+    size_t diff = 0;
+    for (size_t i = 0; i < n; ++i) diff += u[i] != v[i];
+    EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << n << " words differ";
+  };
+  same(a.logits, g.logits, size_t(T) * (E + 1), "router logits");
+  same(a.sel_idx, g.sel_idx, size_t(T) * k, "selection");
+  same(a.sel_w, g.sel_w, size_t(T) * (k + 1), "selection weights");
+  same(a.act, g.act, size_t(T) * hb, "expert activations");
+  same(a.x, g.x, size_t(T) * H, "residual rows");
+  // Every output written and finite (poisoned buffers compare equal too).
+  auto finite = [&](const DeviceBuffer& b, size_t n, const char* what) {
+    const auto v = to_host<float>(b, n);
+    EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); })) << what;
+  };
+  finite(g.logits, size_t(T) * (E + 1), "router logits");
+  finite(g.sel_w, size_t(T) * (k + 1), "selection weights");
+  finite(g.act, size_t(T) * hb, "expert activations");
+  finite(g.x, size_t(T) * H, "residual rows");
+  for (int e : to_host<int>(g.sel_idx, size_t(T) * k)) EXPECT_TRUE(e >= 0 && e < E) << e;
+  // The rows differ from each other (a grid that ran row 0 T times fails).
+  const auto xs = to_host<float>(g.x, size_t(T) * H);
+  EXPECT_NE(std::memcmp(xs.data(), xs.data() + H, H * 4), 0);
+
+  // What the grid refuses: too many or no rows, a row of another shape, a
+  // row not aligned for the one-pass staging, f32 inputs, a fold.
+  EXPECT_FALSE(cuda::matvec_grid_ok(gps.data(), 0));
+  std::vector<cuda::MatvecParams> many(cuda::kMaxGridRows + 1, rps[0]);
+  EXPECT_FALSE(cuda::matvec_grid_ok(many.data(), int(many.size())));
+  EXPECT_THROW(cuda::launch_matvec_grid(many.data(), int(many.size()), nullptr, false), std::exception);
+  auto other = gps;
+  other[T - 1].jobs[k].rows -= 2;
+  EXPECT_FALSE(cuda::matvec_grid_ok(other.data(), T));
+  other = gps;
+  other[T - 1].x += 1;
+  EXPECT_FALSE(cuda::matvec_grid_ok(other.data(), T));
+  other = gps;
+  for (auto& p : other) p.act_bits = 0;
+  EXPECT_FALSE(cuda::matvec_grid_ok(other.data(), T));
+  auto dother = dps;
+  dother[T - 1].jobs[0].x += 1;
+  EXPECT_FALSE(cuda::moe_down_grid_ok(dother.data(), T));
+  EXPECT_THROW(cuda::launch_moe_down_grid(dother.data(), T, nullptr, false), std::exception);
+  dother = dps;
+  dother[0].rows -= 1;
+  EXPECT_FALSE(cuda::moe_down_grid_ok(dother.data(), T));
+}
+
+TEST(CudaMoeGrid, EachRowMatchesItsOwnLaunchesBitForBit) {
+  LILY_SKIP_WITHOUT_GPU();
+  for (int T : {2, 3, cuda::kMaxGridRows})
+    for (int bits : {16, 8}) {
+      SCOPED_TRACE("rows " + std::to_string(T) + " bits " + std::to_string(bits));
+      moe_grid_rows_match_row_launches(T, bits);
+    }
+}
+
 // Several decode steps of one DeltaNet layer against the CPU recurrence.
 // A DeltaNet step's parameters over the test's buffers.
 struct DnDims {

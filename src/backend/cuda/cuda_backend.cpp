@@ -112,7 +112,7 @@ CudaOptions options_from_env() {
   }
   if (const char* v = std::getenv("LILY_CUDA_MOE_ROW_STREAMS")) {
     o.moe_row_streams = std::atoi(v);
-    if (o.moe_row_streams < 0 || o.moe_row_streams > 2) fail("LILY_CUDA_MOE_ROW_STREAMS='", v, "': expected 0..2");
+    if (o.moe_row_streams < 0 || o.moe_row_streams > 3) fail("LILY_CUDA_MOE_ROW_STREAMS='", v, "': expected 0..3");
   }
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH")) o.draft_graph = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT_GRAPH_PARTS")) {
@@ -189,6 +189,10 @@ struct Step {
   double bytes_fixed = 0;
   double bytes_per_ctx = 0;  // attention: KV bytes per context position
   std::function<void(cudaStream_t, bool)> run;
+  // The launch's parameters where it is one matvec or moe_down launch (so a
+  // short run's rows can go as one launch: launch_matvec_grid); else null.
+  std::shared_ptr<const MatvecParams> mv = nullptr;
+  std::shared_ptr<const MoeDownParams> down = nullptr;
 };
 
 // The rows s with each allow mask that waits for its allow_fill (sampling.h)
@@ -695,7 +699,8 @@ struct CudaBackend::Impl {
         p.argmax = 0;
       }
       if (p.fin != Finish::None) p.counter = next_counter();
-      steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); }});
+      steps.push_back({name, bytes, 0, [p](cudaStream_t s, bool pdl) { launch_matvec(p, s, pdl); },
+                       std::make_shared<const MatvecParams>(p), nullptr});
     }
   }
   // The decode step's MoE of one token (post: the RMSNorm prologue on its
@@ -773,7 +778,8 @@ struct CudaBackend::Impl {
         p.jobs[i] = g[i].second;
         bytes += g[i].second.expert ? double(g[i].first->v.bytes()) / E : double(g[i].first->v.bytes());
       }
-      steps.push_back({"moe.down", bytes, 0, [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }});
+      steps.push_back({"moe.down", bytes, 0, [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }, nullptr,
+                       std::make_shared<const MoeDownParams>(p)});
     }
   }
   // A short run's projection as the decode matvec over its T rows
@@ -1582,7 +1588,21 @@ struct CudaBackend::Impl {
   void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s) {
     const int H = c.hidden_size, k = c.num_experts_per_tok;
     float* X = pX.as<float>();
-    const int mode = T > 1 ? opt.moe_row_streams : 0;
+    // Each row's launches, a 1 / T share of the SMs where they run together.
+    auto row_steps = [&](int i, int grid_div) {
+      float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
+      float* Hb = area;
+      int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
+      float* sw = reinterpret_cast<float*>(sidx + k);
+      float* Xi = X + size_t(i) * H;
+      MatvecParams post = norm_rows(D.post_norm);
+      post.x = Xi;
+      std::vector<Step> st;
+      add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi, grid_div);
+      return st;
+    };
+    if (T > 1 && opt.moe_row_streams == 3 && moe_rows_grid(T, s, row_steps)) return;
+    const int mode = T > 1 ? std::min(opt.moe_row_streams, 2) : 0;
     if (mode) {
       LILY_CUDA(cudaEventRecord(row_fork, s));
       for (int i = 1; i < T; ++i) LILY_CUDA(cudaStreamWaitEvent(row_stream[i - 1], row_fork, 0));
@@ -1604,16 +1624,7 @@ struct CudaBackend::Impl {
     } join{*this, mode ? T : 0, s};
     for (int i = 0; i < T; ++i) {
       cudaStream_t si = mode && i > 0 ? row_stream[i - 1] : s;
-      float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
-      float* Hb = area;
-      int* sidx = reinterpret_cast<int*>(area + size_t(k + 1) * c.moe_intermediate_size);
-      float* sw = reinterpret_cast<float*>(sidx + k);
-      float* Xi = X + size_t(i) * H;
-      MatvecParams post = norm_rows(D.post_norm);
-      post.x = Xi;
-      std::vector<Step> st;
-      add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi,
-              mode == 2 ? T : 1);
+      const std::vector<Step> st = row_steps(i, mode == 2 ? T : 1);
       // A side stream's first launch follows the fork's event: no PDL.
       for (size_t j = 0; j < st.size(); ++j) st[j].run(si, prefill_pdl(T) && !(si != s && j == 0));
     }
@@ -1622,6 +1633,36 @@ struct CudaBackend::Impl {
       LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
       LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
     }
+  }
+
+  // moe_rows_pass's rows as one launch per kernel (moe_row_streams 3):
+  // step j of every row's launches (row_steps(i, T)) as one launch over a
+  // grid of rows; false, with nothing launched, where a step's layout does
+  // not take it (launch_matvec_grid, launch_moe_down_grid).
+  template <typename RowSteps>
+  bool moe_rows_grid(int T, cudaStream_t s, RowSteps&& row_steps) {
+    static_assert(kMaxMoeRows <= kMaxGridRows, "a run's MoE rows in one grid");
+    std::vector<std::vector<Step>> rows;
+    for (int i = 0; i < T; ++i) rows.push_back(row_steps(i, T));
+    const size_t n = rows[0].size();
+    std::vector<std::vector<MatvecParams>> mv(n);
+    std::vector<std::vector<MoeDownParams>> down(n);
+    for (size_t j = 0; j < n; ++j) {
+      for (const auto& r : rows) {
+        if (r.size() != n) return false;
+        if (r[j].mv) mv[j].push_back(*r[j].mv);
+        else if (r[j].down) down[j].push_back(*r[j].down);
+        else return false;
+      }
+      const bool ok = mv[j].size() == size_t(T) ? matvec_grid_ok(mv[j].data(), T)
+                                                : down[j].size() == size_t(T) && moe_down_grid_ok(down[j].data(), T);
+      if (!ok) return false;
+    }
+    for (size_t j = 0; j < n; ++j) {
+      if (!mv[j].empty()) launch_matvec_grid(mv[j].data(), T, s, prefill_pdl(T));
+      else launch_moe_down_grid(down[j].data(), T, s, prefill_pdl(T));
+    }
+    return true;
   }
 
   // Logits of residual row r of the chunk: the decode lm_head matvec (final

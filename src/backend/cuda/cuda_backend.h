@@ -93,8 +93,11 @@ struct CudaOptions {
   int moe_rows = -1;
   // Those rows' MoEs: 0 one after another on the pass's stream; 1 each row
   // on its own stream (the GPU runs them side by side); 2 the same with
-  // each launch's grid a 1 / T share of the SMs.
-  int moe_row_streams = 2;
+  // each launch's grid a 1 / T share of the SMs; 3 (the default) each of
+  // the MoE's launches once for all rows, a 1 / T share of the SMs a row
+  // (launch_matvec_grid, launch_moe_down_grid; 2 where their layout does not
+  // take them).
+  int moe_row_streams = 3;
   // The next layer's input RMSNorm written by the MoE's combine (every
   // prefill pass) instead of a launch of its own.
   bool fold_norms = true;

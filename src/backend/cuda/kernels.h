@@ -267,6 +267,30 @@ struct MoeDownParams {
 };
 void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
 
+// ---- Several launches' rows as one launch (a short run's MoE) ---------------
+// Up to kMaxGridRows launches whose parameters differ only in their pointers
+// (the decode MoE of each residual row of a short run: router, routed
+// gate_up, down) run as one launch over a grid of (the first's grid, rows):
+// blockIdx.y picks the row's parameters, so each row computes exactly what
+// its own launch would, the same bits. Each row's grid is the first's, which
+// counts grid_div as for launches side by side. The _ok functions say
+// whether the launch takes them: q4 weights on integer inputs (act_bits 8 /
+// 16) or q8 (matvec only), the one-pass staging, and no router fold,
+// argmax, finish or early gate; the launches fail (lily::Error) otherwise. ps: n parameters.
+constexpr int kMaxGridRows = 8;
+struct MatvecGridParams {
+  int n = 0;
+  MatvecParams p[kMaxGridRows];
+};
+struct MoeDownGridParams {
+  int n = 0;
+  MoeDownParams p[kMaxGridRows];
+};
+bool matvec_grid_ok(const MatvecParams* ps, int n);
+void launch_matvec_grid(const MatvecParams* ps, int n, cudaStream_t s, bool pdl);
+bool moe_down_grid_ok(const MoeDownParams* ps, int n);
+void launch_moe_down_grid(const MoeDownParams* ps, int n, cudaStream_t s, bool pdl);
+
 // ---- Gated DeltaNet decode step ---------------------------------------------
 // proj: in_proj outputs [qkv C | z vdim | b nv | a nv]. conv_ring: [C][K] raw
 // inputs by position % K. state: [nv][dk][dv] f32. out: [nv * dv], before the

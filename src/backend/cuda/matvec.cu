@@ -1387,7 +1387,7 @@ __global__ void __launch_bounds__(kMatvecThreads) matvec_fold_kernel(const __gri
 // step, so all experts' rows for one output are summed in registers, the
 // warps' partial sums added in shared memory in warp order: no atomics.
 template <QFmt F, int U, int XB = 0>
-__global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
+__device__ __forceinline__ void moe_down_body(const MoeDownParams& p) {
   static_assert(XB == 0 || F == QFmt::Q4, "integer inputs: q4 only");
   using CF = ChunkFmt<F>;
   extern __shared__ __align__(16) float smem[];
@@ -1629,6 +1629,24 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
   }
   trace_end(p.trace);
 }
+template <QFmt F, int U, int XB = 0>
+__global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_constant__ MoeDownParams p) {
+  moe_down_body<F, U, XB>(p);
+}
+
+// One launch over up to kMaxGridRows launches' parameters (MatvecGridParams,
+// MoeDownGridParams): blockIdx.y picks the row's parameters, blockIdx.x the
+// block within that row's grid, so each row's blocks compute what its own
+// launch would (the same bits). q4 weights on integer inputs and q8 weights
+// with the one-pass staging only (matvec_grid_ok, moe_down_grid_ok).
+template <QFmt F, bool Route, int XB>
+__global__ void __launch_bounds__(kMatvecThreads) matvec_grid_kernel(const __grid_constant__ MatvecGridParams g) {
+  matvec_body<F, Route, true, false, XB>(g.p[blockIdx.y]);
+}
+template <int U, int XB>
+__global__ void __launch_bounds__(kMatvecThreads) moe_down_grid_kernel(const __grid_constant__ MoeDownGridParams g) {
+  moe_down_body<QFmt::Q4, U, XB>(g.p[blockIdx.y]);
+}
 
 template <typename Kernel>
 int max_blocks_per_sm(Kernel k, size_t smem) {
@@ -1651,8 +1669,15 @@ int matvec_min_blocks() {
   return v;
 }
 
+// A launch of p: its grid (0: no tiles, nothing to launch), shared memory
+// and the parameters with the launch's own settings.
+struct MatvecLaunch {
+  int grid = 0;
+  size_t smem = 0;
+  MatvecParams q;
+};
 template <typename Kernel>
-void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_t s, bool pdl) {
+MatvecLaunch plan_matvec(Kernel kernel, QFmt fmt, const MatvecParams& p) {
   const int nseg = p.pro == Prologue::None ? 0 : p.cols / p.seg;
   const MatvecSmem L = matvec_smem_layout(p.chunks, floats_per_chunk(fmt), p.cols, nseg);
   // A fold launch reuses the staging memory for its block sums (8 warps x
@@ -1662,7 +1687,7 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
                                   : size_t(std::max(L.total, fold_floats)) * 4;
   int tiles = 0;
   for (int j = 0; j < p.njobs; ++j) tiles += (p.jobs[j].rows + kRowsPerTile - 1) / kRowsPerTile;
-  if (tiles == 0) return;
+  if (tiles == 0) return {};
   const int max_grid = std::max(1, device_sm_count() * max_blocks_per_sm(kernel, smem) / std::max(1, p.grid_div));
   static const bool balanced = [] {
     const char* e = std::getenv("LILY_CUDA_BALANCE");
@@ -1684,7 +1709,12 @@ void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_
     const int per_block = (tiles + max_grid - 1) / max_grid;
     grid = (tiles + per_block - 1) / per_block;
   }
-  launch_kernel("matvec", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
+  return {grid, smem, q};
+}
+template <typename Kernel>
+void launch_matvec_k(Kernel kernel, QFmt fmt, const MatvecParams& p, cudaStream_t s, bool pdl) {
+  const MatvecLaunch l = plan_matvec(kernel, fmt, p);
+  if (l.grid > 0) launch_kernel("matvec", kernel, dim3(l.grid), dim3(kMatvecThreads), l.smem, s, pdl, l.q);
 }
 
 // Whether a launch stages its input in one pass (stage_fast): where the
@@ -1773,6 +1803,53 @@ void launch_matvec_t(const MatvecParams& p, cudaStream_t s, bool pdl) {
   else launch_matvec_r<F, false>(p, s, pdl);
 }
 
+// A moe_down launch of p: the settings launch_moe_down_t and the row grid
+// share (items per lane U, the integer input width XB taken: 0 unless q4
+// with the one-pass staging; q with its split, fast_stage and spec_ids;
+// shared memory, tiles).
+struct DownPlan {
+  int U = 2, xb = 0, tiles = 0;
+  size_t smem = 0;
+  MoeDownParams q;
+};
+template <QFmt F>
+DownPlan plan_moe_down(const MoeDownParams& p) {
+  const int items = p.njobs * p.chunks;
+  if (items >= 65536) fail("moe_down: ", items, " (expert, chunk) items (below 65536)");  // job_of's range
+  DownPlan d;
+  MoeDownParams& q = d.q;
+  q = p;
+  // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
+  // the speculative read made wrong, so the tests cover the reissue).
+  if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
+  // Warps per row pair and items per lane per step: one step per warp where
+  // it fits (up to 96 items per warp), so a warp's loads all go out at once;
+  // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
+  q.split = 1;
+  if (env_switch("LILY_CUDA_DOWN_SPLIT", 1) && items > 64) {
+    d.U = 3;
+    q.split = items <= 2 * 96 ? 2 : 4;
+  }
+  {
+    bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
+    for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
+    q.fast_stage = env_switch("LILY_CUDA_FAST_STAGE", 1) && ok;
+  }
+  // Integer inputs (act_bits): q4 with the one-pass staging only.
+  if (F == QFmt::Q4 && q.fast_stage && (p.act_bits == 8 || p.act_bits == 16)) d.xb = p.act_bits;
+  d.smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
+  const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
+  d.tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
+  return d;
+}
+// The grid of a launch of `tiles` tiles (at most what the SMs hold / grid_div).
+template <typename Kernel>
+int moe_down_grid(Kernel kernel, size_t smem, int tiles, int grid_div) {
+  const int max_grid = std::max(1, device_sm_count() * max_blocks_per_sm(kernel, smem) / std::max(1, grid_div));
+  const int per_block = (tiles + max_grid - 1) / max_grid;
+  return (tiles + per_block - 1) / per_block;
+}
+
 template <QFmt F>
 void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
   static bool init = [] {
@@ -1787,43 +1864,32 @@ void launch_moe_down_t(const MoeDownParams& p, cudaStream_t s, bool pdl) {
     return true;
   }();
   (void)init;
-  const int items = p.njobs * p.chunks;
-  if (items >= 65536) fail("moe_down: ", items, " (expert, chunk) items (below 65536)");  // job_of's range
-  MoeDownParams q = p;
-  // Expert ids read before the wait (LILY_CUDA_SPEC_IDS=0: after it only; 2:
-  // the speculative read made wrong, so the tests cover the reissue).
-  if (const char* e = std::getenv("LILY_CUDA_SPEC_IDS"); e && *e) q.spec_ids = std::atoi(e);
-  // Warps per row pair and items per lane per step: one step per warp where
-  // it fits (up to 96 items per warp), so a warp's loads all go out at once;
-  // LILY_CUDA_DOWN_SPLIT=0 keeps one warp per row pair, two items per lane.
-  int U = 2;
-  q.split = 1;
-  if (env_switch("LILY_CUDA_DOWN_SPLIT", 1) && items > 64) {
-    U = 3;
-    q.split = items <= 2 * 96 ? 2 : 4;
-  }
-  auto kernel = U == 3 ? moe_down_kernel<F, 3> : moe_down_kernel<F, 2>;
-  {
-    bool ok = p.cols % 4 == 0 && items * (floats_per_chunk(F) / 4) <= kDownPieces * kMatvecThreads;
-    for (int j = 0; j < p.njobs; ++j) ok = ok && reinterpret_cast<uintptr_t>(p.jobs[j].x) % 16 == 0;
-    q.fast_stage = env_switch("LILY_CUDA_FAST_STAGE", 1) && ok;
-  }
-  // Integer inputs (act_bits): q4 with the one-pass staging only.
+  DownPlan d = plan_moe_down<F>(p);
+  auto kernel = d.U == 3 ? moe_down_kernel<F, 3> : moe_down_kernel<F, 2>;
   if constexpr (F == QFmt::Q4) {
-    if (q.fast_stage && p.act_bits == 8) kernel = U == 3 ? moe_down_kernel<F, 3, 8> : moe_down_kernel<F, 2, 8>;
-    if (q.fast_stage && p.act_bits == 16) kernel = U == 3 ? moe_down_kernel<F, 3, 16> : moe_down_kernel<F, 2, 16>;
+    if (d.xb == 8) kernel = d.U == 3 ? moe_down_kernel<F, 3, 8> : moe_down_kernel<F, 2, 8>;
+    if (d.xb == 16) kernel = d.U == 3 ? moe_down_kernel<F, 3, 16> : moe_down_kernel<F, 2, 16>;
   }
-  const size_t smem = (size_t(items) * floats_per_chunk(F) + items) * 4;
-  const int rows_per_tile = 2 * (kMatvecThreads / 32 / q.split);
-  const int tiles = (p.rows + rows_per_tile - 1) / rows_per_tile;
-  if (tiles == 0) return;
-  const int max_grid = std::max(1, device_sm_count() * max_blocks_per_sm(kernel, smem) / std::max(1, p.grid_div));
-  const int per_block = (tiles + max_grid - 1) / max_grid;
-  const int grid = (tiles + per_block - 1) / per_block;
-  q.trace = next_trace();
-  launch_kernel("moe_down", kernel, dim3(grid), dim3(kMatvecThreads), smem, s, pdl, q);
+  if (d.tiles == 0) return;
+  const int grid = moe_down_grid(kernel, d.smem, d.tiles, p.grid_div);
+  d.q.trace = next_trace();
+  launch_kernel("moe_down", kernel, dim3(grid), dim3(kMatvecThreads), d.smem, s, pdl, d.q);
 }
 
+// The row grid's matvec kernel for ps[0]'s format, route and input width
+// (matvec_grid_ok has checked they are q4 with 8 / 16-bit inputs or q8).
+template <bool Route>
+void (*matvec_grid_kernel_for(const MatvecParams& p))(const MatvecGridParams) {
+  static bool init = [] {
+    allow_big_smem(matvec_grid_kernel<QFmt::Q4, Route, 8>);
+    allow_big_smem(matvec_grid_kernel<QFmt::Q4, Route, 16>);
+    allow_big_smem(matvec_grid_kernel<QFmt::Q8, Route, 0>);
+    return true;
+  }();
+  (void)init;
+  if (p.fmt == QFmt::Q8) return matvec_grid_kernel<QFmt::Q8, Route, 0>;
+  return p.act_bits == 8 ? matvec_grid_kernel<QFmt::Q4, Route, 8> : matvec_grid_kernel<QFmt::Q4, Route, 16>;
+}
 }  // namespace
 
 namespace {
@@ -1891,7 +1957,9 @@ bool matvec_rows_ok(const MatvecParams& p) {
   return use_fast_stage<QFmt::Q4>(p, kMatvecThreads);
 }
 
-void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
+namespace {
+// What launch_matvec refuses (fail) before it picks a kernel.
+void check_matvec(const MatvecParams& p) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("matvec: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (p.pro != Prologue::None && (p.seg <= 0 || p.cols % p.seg != 0))
     fail("matvec: norm segment ", p.seg, " does not divide ", p.cols, " inputs");
@@ -1920,6 +1988,11 @@ void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
   }
   if (p.zero_n < 0 || (p.zero_n > 0 && !p.zero_acc)) fail("matvec: ", p.zero_n, " words to zero without a buffer");
   if (!act_bits_ok(p.act_bits)) fail("matvec: ", p.act_bits, "-bit inputs (0, 8 or 16)");
+}
+}  // namespace
+
+void launch_matvec(const MatvecParams& p, cudaStream_t s, bool pdl) {
+  check_matvec(p);
   if (p.nrows != 1) {
     if (!matvec_rows_ok(p))
       fail("matvec: ", p.nrows, " input rows need q4 weights on integer inputs, the one-pass staging, aligned "
@@ -1986,11 +2059,126 @@ void launch_matvec_dn(const MatvecParams& in, const DeltaNetParams& d, cudaStrea
   }
 }
 
-void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
+namespace {
+void check_moe_down(const MoeDownParams& p) {
   if (p.njobs <= 0 || p.njobs > kMaxJobs) fail("moe_down: ", p.njobs, " jobs (1..", kMaxJobs, ")");
   if (!chunks_per_group_ok(p.fmt, p.chunks_per_group))
     fail("moe_down: ", p.chunks_per_group, " chunks per group (a power of two)");
   if (!act_bits_ok(p.act_bits)) fail("moe_down: ", p.act_bits, "-bit inputs (0, 8 or 16)");
+}
+
+// Two launches' parameters alike but for their pointers (the row grid's
+// condition): every shape, format and option field, and which of the
+// optional pointers are set.
+bool same_but_pointers(const MatvecParams& a, const MatvecParams& b) {
+  bool ok = a.fmt == b.fmt && a.cols == b.cols && a.chunks == b.chunks && a.groups == b.groups &&
+            a.chunks_per_group == b.chunks_per_group && a.sb_f16 == b.sb_f16 && a.njobs == b.njobs &&
+            a.pro == b.pro && a.seg == b.seg && a.eps == b.eps && a.epi == b.epi && a.argmax == b.argmax &&
+            a.fin == b.fin && a.gate_z_early == b.gate_z_early && a.zero_n == b.zero_n &&
+            a.act_bits == b.act_bits && a.nrows == b.nrows && a.grid_div == b.grid_div &&
+            !a.gate_z == !b.gate_z && !a.norm_w == !b.norm_w && !a.fold.acc == !b.fold.acc;
+  const RouteSpec &ra = a.route, &rb = b.route;
+  ok = ok && ra.on() == rb.on() && ra.experts == rb.experts && ra.k == rb.k && ra.norm_topk == rb.norm_topk &&
+       !ra.logits == !rb.logits && !ra.acc == !rb.acc && ra.acc_shared == rb.acc_shared &&
+       !ra.shared_gate_logit == !rb.shared_gate_logit;
+  for (int j = 0; ok && j < a.njobs && j < kMaxJobs; ++j) {
+    const MatvecJob &x = a.jobs[j], &y = b.jobs[j];
+    ok = x.rows == y.rows && x.slot == y.slot && x.w_expert_stride == y.w_expert_stride &&
+         x.sb_expert_stride == y.sb_expert_stride;
+  }
+  return ok;
+}
+bool same_but_pointers(const MoeDownParams& a, const MoeDownParams& b) {
+  bool ok = a.fmt == b.fmt && a.cols == b.cols && a.chunks == b.chunks && a.groups == b.groups &&
+            a.chunks_per_group == b.chunks_per_group && a.sb_f16 == b.sb_f16 && a.rows == b.rows &&
+            a.njobs == b.njobs && a.act_bits == b.act_bits && a.grid_div == b.grid_div;
+  for (int j = 0; ok && j < a.njobs && j < kMaxJobs; ++j) {
+    const MoeDownJob &x = a.jobs[j], &y = b.jobs[j];
+    ok = !x.expert == !y.expert && x.experts == y.experts && x.w_expert_stride == y.w_expert_stride &&
+         x.sb_expert_stride == y.sb_expert_stride && !x.coef == !y.coef;
+  }
+  return ok;
+}
+}  // namespace
+
+bool matvec_grid_ok(const MatvecParams* ps, int n) {
+  if (n < 1 || n > kMaxGridRows) return false;
+  const MatvecParams& p0 = ps[0];
+  const bool q4 = p0.fmt == QFmt::Q4 && (p0.act_bits == 8 || p0.act_bits == 16);
+  if (!(q4 || p0.fmt == QFmt::Q8) || p0.nrows != 1 || p0.fold.acc || p0.route.acc || p0.argmax ||
+      p0.fin != Finish::None || p0.gate_z_early || p0.zero_n > 0)
+    return false;
+  const int nthr = p0.route.on() ? kMatvecThreads - 32 : kMatvecThreads;
+  for (int i = 0; i < n; ++i) {
+    const MatvecParams& p = ps[i];
+    if (!same_but_pointers(p0, p)) return false;
+    if (!(q4 ? use_fast_stage<QFmt::Q4>(p, nthr) : use_fast_stage<QFmt::Q8>(p, nthr))) return false;
+  }
+  return true;
+}
+
+void launch_matvec_grid(const MatvecParams* ps, int n, cudaStream_t s, bool pdl) {
+  if (!matvec_grid_ok(ps, n))
+    fail("matvec grid: ", n, " launches (1..", kMaxGridRows, ") need the same shapes and options, q4 "
+         "weights on integer inputs or q8, the one-pass staging, and no fold, argmax, finish or early gate");
+  for (int i = 0; i < n; ++i) check_matvec(ps[i]);
+  const MatvecParams& p0 = ps[0];
+  auto kernel = p0.route.on() ? matvec_grid_kernel_for<true>(p0) : matvec_grid_kernel_for<false>(p0);
+  const MatvecLaunch l = plan_matvec(kernel, p0.fmt, p0);
+  if (l.grid == 0) return;
+  MatvecGridParams g;
+  g.n = n;
+  for (int i = 0; i < n; ++i) {
+    g.p[i] = ps[i];
+    g.p[i].balanced = l.q.balanced;
+    g.p[i].l2_prefetch = l.q.l2_prefetch;
+    g.p[i].trace = TraceSpec{};
+  }
+  launch_kernel("matvec_grid", kernel, dim3(l.grid, g.n), dim3(kMatvecThreads), l.smem, s, pdl, g);
+}
+
+bool moe_down_grid_ok(const MoeDownParams* ps, int n) {
+  if (n < 1 || n > kMaxGridRows) return false;
+  const MoeDownParams& p0 = ps[0];
+  if (p0.fmt != QFmt::Q4 || (p0.act_bits != 8 && p0.act_bits != 16) || p0.njobs <= 0 || p0.njobs > kMaxJobs ||
+      p0.njobs * p0.chunks >= 65536)
+    return false;
+  for (int i = 0; i < n; ++i)
+    if (!same_but_pointers(p0, ps[i]) || plan_moe_down<QFmt::Q4>(ps[i]).xb == 0) return false;
+  return true;
+}
+
+void launch_moe_down_grid(const MoeDownParams* ps, int n, cudaStream_t s, bool pdl) {
+  if (!moe_down_grid_ok(ps, n))
+    fail("moe_down grid: ", n, " launches (1..", kMaxGridRows, ") need the same shapes, q4 weights on "
+         "integer inputs and the one-pass staging");
+  static bool init = [] {
+    allow_big_smem(moe_down_grid_kernel<2, 8>);
+    allow_big_smem(moe_down_grid_kernel<3, 8>);
+    allow_big_smem(moe_down_grid_kernel<2, 16>);
+    allow_big_smem(moe_down_grid_kernel<3, 16>);
+    return true;
+  }();
+  (void)init;
+  MoeDownGridParams g;
+  g.n = n;
+  DownPlan d0;
+  for (int i = 0; i < g.n; ++i) {
+    check_moe_down(ps[i]);
+    const DownPlan d = plan_moe_down<QFmt::Q4>(ps[i]);
+    if (i == 0) d0 = d;
+    g.p[i] = d.q;
+    g.p[i].trace = TraceSpec{};
+  }
+  if (d0.tiles == 0) return;
+  auto kernel = d0.xb == 8 ? (d0.U == 3 ? moe_down_grid_kernel<3, 8> : moe_down_grid_kernel<2, 8>)
+                           : (d0.U == 3 ? moe_down_grid_kernel<3, 16> : moe_down_grid_kernel<2, 16>);
+  const int grid = moe_down_grid(kernel, d0.smem, d0.tiles, ps[0].grid_div);
+  launch_kernel("moe_down_grid", kernel, dim3(grid, g.n), dim3(kMatvecThreads), d0.smem, s, pdl, g);
+}
+
+void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl) {
+  check_moe_down(p);
   switch (p.fmt) {
     case QFmt::Q4: return launch_moe_down_t<QFmt::Q4>(p, s, pdl);
     case QFmt::Q8: return launch_moe_down_t<QFmt::Q8>(p, s, pdl);
