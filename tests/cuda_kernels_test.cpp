@@ -915,12 +915,16 @@ TEST(CudaMoeDown, IntInputsMatchEmulation) {
 // router + shared gate with the input RMSNorm, routed q4 gate_up, weighted
 // down added to the row), once as three launches per row and once as three
 // launches over all rows; every output of every row bit for bit equal.
+// fold: the router folded into a preceding residual-add launch of each row
+// (an out_proj: RouterFold, its sums zeroed for all rows by one several-row
+// launch where T allows, MatvecParams::zero_acc) and gate_up routing from
+// the sums, as a decode step's DeltaNet layer.
 // 45 experts (router rows off the tiles), top 5, 320 inputs, 128-wide
 // experts (the shared one too: one down launch takes one layout; every
 // matrix's inputs a whole number of 64-wide groups).
-void moe_grid_rows_match_row_launches(int T, int bits) {
+void moe_grid_rows_match_row_launches(int T, int bits, bool fold) {
   std::mt19937 rng(11 + T);
-  const int E = 45, k = 5, H = 320, I = 128, Is = I;
+  const int E = 45, k = 5, H = 320, I = 128, Is = I, A = 192;
   auto r = random_matrix(WeightFormat::Affine8, E, H, 64, DType::BF16, rng);
   auto sg = random_matrix(WeightFormat::Affine8, 1, H, 64, DType::BF16, rng);
   auto dr = cuda::upload_matrix(r.m, 1), dsg = cuda::upload_matrix(sg.m, 2);
@@ -938,39 +942,77 @@ void moe_grid_rows_match_row_launches(int T, int bits) {
   const auto nw = random_vec(H, rng, 0.5f, 1.5f);
   auto dnw = to_device(nw);
   const auto x0 = random_vec(size_t(T) * H, rng, -3, 3);
+  // The fold: the router transposed, the residual-add launch's weights
+  // (H x A) and inputs (T rows of A).
+  ASSERT_TRUE(cuda::router_fold_ok(dr.v, &dsg.v, H));
+  const cuda::RouterFold shape = cuda::router_fold_shape(dr.v, &dsg.v);
+  const int ld = shape.ld;
+  DeviceBuffer fold_q(size_t(H) * ld), fold_sb(size_t(dr.v.groups) * ld * 4);
+  cuda::build_router_fold(dr.v, &dsg.v, fold_q.as<uint32_t>(), fold_sb.as<uint32_t>(), nullptr);
+  auto wo = random_matrix(WeightFormat::Affine4, H, A, 64, DType::BF16, rng);
+  auto dwo = cuda::upload_matrix(wo.m, 7);
+  auto da = to_device(random_vec(size_t(T) * A, rng));
   // Per row: logits [E + 1], selection ids [k], weights [k + 1], the
-  // experts' activations [k * I + Is]; two sets (row launches, grid).
+  // experts' activations [k * I + Is], the fold's sums [ld]; two sets (row
+  // launches, grid).
   const int hb = k * I + Is;
   struct Set {
-    DeviceBuffer x, logits, sel_idx, sel_w, act;
+    DeviceBuffer x, logits, sel_idx, sel_w, act, acc, scratch;
   };
   auto make_set = [&] {
     Set z{to_device(x0), poisoned(size_t(T) * (E + 1)), DeviceBuffer(size_t(T) * k * 4),
-          poisoned(size_t(T) * (k + 1)), poisoned(size_t(T) * hb)};
+          poisoned(size_t(T) * (k + 1)), poisoned(size_t(T) * hb), DeviceBuffer(size_t(T) * ld * 8),
+          poisoned(size_t(T) * H)};
     LILY_CUDA(cudaMemset(z.sel_idx.get(), 0xff, z.sel_idx.bytes()));
+    LILY_CUDA(cudaMemset(z.acc.get(), 0x5a, z.acc.bytes()));  // garbage the zeroing must clear
     return z;
   };
   Set a = make_set(), g = make_set();
+  // The first launch of a row: the router (logits), or the residual add
+  // with the fold (sums).
   auto row_params = [&](Set& z, int i, cuda::MatvecParams& rp, cuda::MatvecParams& gp, cuda::MoeDownParams& dp) {
     float* x = z.x.as<float>() + size_t(i) * H;
     float* lg = z.logits.as<float>() + size_t(i) * (E + 1);
     int* sidx = z.sel_idx.as<int>() + size_t(i) * k;
     float* sw = z.sel_w.as<float>() + size_t(i) * (k + 1);
     float* act = z.act.as<float>() + size_t(i) * hb;
+    unsigned long long* acc = z.acc.as<unsigned long long>() + size_t(i) * ld;
     rp = cuda::MatvecParams{};
-    cuda::set_layout(rp, dr.v);
-    rp.njobs = 2;
-    rp.jobs[0] = {dr.v.w, dr.v.sb, E, -1, 0, 0, lg};
-    rp.jobs[1] = {dsg.v.w, dsg.v.sb, 1, -1, 0, 0, lg + E};
-    rp.x = x;
-    rp.pro = cuda::Prologue::Norm;
-    rp.norm_w = dnw.as<float>();
-    rp.seg = H;
+    if (fold) {
+      rp = one_job(dwo.v, x, da.as<float>() + size_t(i) * A);
+      rp.epi = cuda::Epilogue::Add;
+      rp.fold = shape;
+      rp.fold.q = fold_q.as<uint32_t>();
+      rp.fold.sb = fold_sb.as<uint32_t>();
+      rp.fold.g = dnw.as<float>();
+      rp.fold.acc = acc;
+    } else {
+      cuda::set_layout(rp, dr.v);
+      rp.njobs = 2;
+      rp.jobs[0] = {dr.v.w, dr.v.sb, E, -1, 0, 0, lg};
+      rp.jobs[1] = {dsg.v.w, dsg.v.sb, 1, -1, 0, 0, lg + E};
+      rp.x = x;
+      rp.pro = cuda::Prologue::Norm;
+      rp.norm_w = dnw.as<float>();
+      rp.seg = H;
+    }
     rp.act_bits = bits;
     rp.grid_div = T;
-    gp = rp;
+    gp = cuda::MatvecParams{};
     cuda::set_layout(gp, es.stack.v);
+    gp.x = x;
+    gp.pro = cuda::Prologue::Norm;
+    gp.norm_w = dnw.as<float>();
+    gp.seg = H;
+    gp.act_bits = bits;
+    gp.grid_div = T;
     gp.route = {lg, E, k, 1, lg + E, sidx, sw};
+    if (fold) {
+      gp.route.logits = nullptr;
+      gp.route.shared_gate_logit = nullptr;
+      gp.route.acc = acc;
+      gp.route.acc_shared = 1;
+    }
     gp.njobs = k + 1;
     for (int j = 0; j < k; ++j)
       gp.jobs[j] = {es.stack.v.w, es.stack.v.sb, 2 * I, j, 2LL * I * es.stack.v.chunks,
@@ -997,8 +1039,25 @@ void moe_grid_rows_match_row_launches(int T, int bits) {
     dp.act_bits = bits;
     dp.grid_div = T;
   };
+  // The fold's sums zeroed for all rows by one launch before the rows: a
+  // several-row launch (the run's in_proj) where T allows, else one row's.
+  auto zero_sums = [&](Set& z) {
+    if (!fold) return;
+    cuda::MatvecParams p = one_job(dwo.v, z.scratch.as<float>(), da.as<float>());
+    p.act_bits = 16;
+    if (T <= cuda::kMaxMatvecRows) {
+      p.nrows = T;
+      p.ldx = A;
+      p.ldo = H;
+    }
+    p.zero_acc = z.acc.as<unsigned long long>();
+    p.zero_n = T * ld;
+    ASSERT_TRUE(cuda::matvec_rows_ok(p));
+    cuda::launch_matvec(p, nullptr, false);
+  };
   std::vector<cuda::MatvecParams> rps(T), gps(T);
   std::vector<cuda::MoeDownParams> dps(T);
+  zero_sums(a);
   for (int i = 0; i < T; ++i) {
     row_params(a, i, rps[i], gps[i], dps[i]);
     cuda::launch_matvec(rps[i], nullptr, false);
@@ -1009,7 +1068,8 @@ void moe_grid_rows_match_row_launches(int T, int bits) {
   ASSERT_TRUE(cuda::matvec_grid_ok(rps.data(), T));
   ASSERT_TRUE(cuda::matvec_grid_ok(gps.data(), T));
   ASSERT_TRUE(cuda::moe_down_grid_ok(dps.data(), T));
-  cuda::launch_matvec_grid(rps.data(), T, nullptr, false);
+  zero_sums(g);
+  cuda::launch_matvec_grid(rps.data(), T, nullptr, fold);
   cuda::launch_matvec_grid(gps.data(), T, nullptr, true);
   cuda::launch_moe_down_grid(dps.data(), T, nullptr, true);
   auto same = [&](const DeviceBuffer& p, const DeviceBuffer& q, size_t n, const char* what) {
@@ -1018,27 +1078,39 @@ void moe_grid_rows_match_row_launches(int T, int bits) {
     for (size_t i = 0; i < n; ++i) diff += u[i] != v[i];
     EXPECT_EQ(diff, 0u) << what << ": " << diff << " of " << n << " words differ";
   };
-  same(a.logits, g.logits, size_t(T) * (E + 1), "router logits");
+  if (fold) {
+    same(a.acc, g.acc, size_t(T) * ld * 2, "folded router sums");
+  } else {
+    same(a.logits, g.logits, size_t(T) * (E + 1), "router logits");
+  }
   same(a.sel_idx, g.sel_idx, size_t(T) * k, "selection");
   same(a.sel_w, g.sel_w, size_t(T) * (k + 1), "selection weights");
   same(a.act, g.act, size_t(T) * hb, "expert activations");
   same(a.x, g.x, size_t(T) * H, "residual rows");
-  // Every output written and finite (poisoned buffers compare equal too).
+  // Every output written and finite (poisoned buffers compare equal too);
+  // the fold's sums zeroed first (0x5a garbage would show as huge logits:
+  // the padding words past E + 1 stay zero).
   auto finite = [&](const DeviceBuffer& b, size_t n, const char* what) {
     const auto v = to_host<float>(b, n);
     EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](float f) { return std::isfinite(f); })) << what;
   };
-  finite(g.logits, size_t(T) * (E + 1), "router logits");
+  if (!fold) finite(g.logits, size_t(T) * (E + 1), "router logits");
   finite(g.sel_w, size_t(T) * (k + 1), "selection weights");
   finite(g.act, size_t(T) * hb, "expert activations");
   finite(g.x, size_t(T) * H, "residual rows");
   for (int e : to_host<int>(g.sel_idx, size_t(T) * k)) EXPECT_TRUE(e >= 0 && e < E) << e;
+  if (fold) {
+    const auto sums = to_host<unsigned long long>(g.acc, size_t(T) * ld);
+    for (int i = 0; i < T; ++i)
+      for (int e = E + 1; e < ld; ++e) EXPECT_EQ(sums[size_t(i) * ld + e], 0ull) << "row " << i << " word " << e;
+  }
   // The rows differ from each other (a grid that ran row 0 T times fails).
   const auto xs = to_host<float>(g.x, size_t(T) * H);
   EXPECT_NE(std::memcmp(xs.data(), xs.data() + H, H * 4), 0);
+  if (fold) return;
 
   // What the grid refuses: too many or no rows, a row of another shape, a
-  // row not aligned for the one-pass staging, f32 inputs, a fold.
+  // row not aligned for the one-pass staging, f32 inputs.
   EXPECT_FALSE(cuda::matvec_grid_ok(gps.data(), 0));
   std::vector<cuda::MatvecParams> many(cuda::kMaxGridRows + 1, rps[0]);
   EXPECT_FALSE(cuda::matvec_grid_ok(many.data(), int(many.size())));
@@ -1063,11 +1135,12 @@ void moe_grid_rows_match_row_launches(int T, int bits) {
 
 TEST(CudaMoeGrid, EachRowMatchesItsOwnLaunchesBitForBit) {
   LILY_SKIP_WITHOUT_GPU();
-  for (int T : {2, 3, cuda::kMaxGridRows})
-    for (int bits : {16, 8}) {
-      SCOPED_TRACE("rows " + std::to_string(T) + " bits " + std::to_string(bits));
-      moe_grid_rows_match_row_launches(T, bits);
-    }
+  for (bool fold : {false, true})
+    for (int T : {2, 3, cuda::kMaxGridRows})
+      for (int bits : {16, 8}) {
+        SCOPED_TRACE("rows " + std::to_string(T) + " bits " + std::to_string(bits) + (fold ? " fold" : ""));
+        moe_grid_rows_match_row_launches(T, bits, fold);
+      }
 }
 
 // Several decode steps of one DeltaNet layer against the CPU recurrence.

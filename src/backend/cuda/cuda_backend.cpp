@@ -94,6 +94,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ROWS_FOLD")) o.rows_fold = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
@@ -155,6 +156,8 @@ struct LayerDev {
   // RouterFold); empty when the router's layout does not allow it.
   DeviceBuffer fold_q, fold_sb, fold_acc;
   RouterFold fold;
+  // The fold's sums of a short run's rows, ld apart (kMaxMatvecRows rows).
+  DeviceBuffer fold_rows_acc;
 };
 
 DeviceBuffer upload_vec(const std::vector<float>& v) {
@@ -551,6 +554,8 @@ struct CudaBackend::Impl {
           D.fold_sb.alloc(size_t(D.router.v.groups) * f.ld * 4);
           D.fold_acc.alloc(size_t(f.ld) * 8);
           LILY_CUDA(cudaMemset(D.fold_acc.get(), 0, D.fold_acc.bytes()));
+          D.fold_rows_acc.alloc(size_t(kMaxMatvecRows) * f.ld * 8);
+          LILY_CUDA(cudaMemset(D.fold_rows_acc.get(), 0, D.fold_rows_acc.bytes()));
           build_router_fold(D.router.v, sg, D.fold_q.as<uint32_t>(), D.fold_sb.as<uint32_t>(), nullptr);
           f.q = D.fold_q.as<uint32_t>();
           f.sb = D.fold_sb.as<uint32_t>();
@@ -710,9 +715,10 @@ struct CudaBackend::Impl {
   // gate_up routes in its prologue (softmax, top k, the selection to sidx /
   // sw: [k], sw [k + 1] with the shared gate) and writes each expert's
   // SwiGLU activations to Hb ([k + 1][I]); the down projections add their
-  // weighted sum into X. grid_div: see MatvecParams::grid_div.
+  // weighted sum into X. grid_div: see MatvecParams::grid_div; acc (R null):
+  // the folded sums to route from instead of the layer's own (a run's row).
   void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, float* R, int* sidx,
-               float* sw, float* Hb, float* X, int grid_div = 1) {
+               float* sw, float* Hb, float* X, int grid_div = 1, const unsigned long long* acc = nullptr) {
     const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size, H = c.hidden_size;
     if (R) {
       MatvecParams rp = post;
@@ -725,7 +731,7 @@ struct CudaBackend::Impl {
     gu.grid_div = grid_div;
     gu.epi = Epilogue::SwiGLU;
     if (!R) {
-      gu.route.acc = L.fold.acc;
+      gu.route.acc = acc ? acc : L.fold.acc;
       gu.route.acc_shared = L.has_shared ? 1 : 0;
     } else {
       gu.route.logits = R;
@@ -1390,9 +1396,20 @@ struct CudaBackend::Impl {
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
         float* Pj = record ? cache.draft.proj[l].as<float>() : pProj.as<float>();
+        // A run whose in_proj and MoE take their decode forms (matvec_rows,
+        // the rows' grid): the router folded into the out_proj as in the
+        // decode step, each row's out_proj launch with the fold as one launch
+        // over the rows, and no router launch; the in_proj zeroes the sums.
+        std::vector<MatvecParams> out_fold = rows_out_fold(D, T, Pj, ldp);
+        MatvecParams in_p = norm_rows(D.input_norm);
+        if (!out_fold.empty()) {
+          in_p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
+          in_p.zero_n = T * D.fold.ld;
+        }
         // qkv | z | b | a side by side in Pj.
         if (!matvec_rows({{&D.in_qkv, Pj}, {&D.in_z, Pj + C}, {&D.in_b, Pj + C + V}, {&D.in_a, Pj + C + V + nv}},
-                         norm_rows(D.input_norm), T, H, ldp, s)) {
+                         in_p, T, H, ldp, s)) {
+          out_fold.clear();
           input_norm();
           const PrefillWeight in[4] = {W.in_qkv, W.in_z, W.in_b, W.in_a};
           prefill_gemm_fused(in, 4, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
@@ -1415,6 +1432,14 @@ struct CudaBackend::Impl {
         o.ldz = static_cast<long long>(ldp);
         o.eps = eps;
         o.epi = Epilogue::Add;
+        if (!out_fold.empty()) {
+          launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
+          marks.mark("dn out_proj", s);
+          moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
+          normed = false;
+          marks.mark("routed experts", s);
+          continue;
+        }
         if (!matvec_rows({{&D.out, X}}, o, T, V, H, s)) {
           prefill_gated_rmsnorm(pDn.as<float>(), V, Pj + C, ldp, D.dn_norm.as<float>(), T, nv,
                                 c.linear_value_head_dim, eps, A, lda, s);
@@ -1585,10 +1610,12 @@ struct CudaBackend::Impl {
   // each row's launches the same bits as a decode step's on that row; rows
   // 1.. on streams of their own (moe_row_streams), forked from s and joined
   // back into it.
-  void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s) {
+  void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s, const unsigned long long* fold_acc = nullptr) {
     const int H = c.hidden_size, k = c.num_experts_per_tok;
     float* X = pX.as<float>();
-    // Each row's launches, a 1 / T share of the SMs where they run together.
+    // Each row's launches, a 1 / T share of the SMs where they run together;
+    // fold_acc: the rows' folded router sums (rows_out_fold), ld apart, in
+    // place of the router launch.
     auto row_steps = [&](int i, int grid_div) {
       float* area = pMoeRows.as<float>() + size_t(i) * moe_row_floats();
       float* Hb = area;
@@ -1598,7 +1625,10 @@ struct CudaBackend::Impl {
       MatvecParams post = norm_rows(D.post_norm);
       post.x = Xi;
       std::vector<Step> st;
-      add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi, grid_div);
+      if (fold_acc)
+        add_moe(st, D, post, nullptr, sidx, sw, Hb, Xi, grid_div, fold_acc + size_t(i) * D.fold.ld);
+      else
+        add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi, grid_div);
       return st;
     };
     if (T > 1 && opt.moe_row_streams == 3 && moe_rows_grid(T, s, row_steps)) return;
@@ -1633,6 +1663,38 @@ struct CudaBackend::Impl {
       LILY_CUDA(cudaEventRecord(row_join[i - 1], row_stream[i - 1]));
       LILY_CUDA(cudaStreamWaitEvent(s, row_join[i - 1], 0));
     }
+  }
+
+  // A DeltaNet layer's out_proj for a run of T rows with the router folded
+  // in, one launch's parameters a row (the decode step's out_proj: the
+  // gated RMSNorm of pDn's row under Pj's gate z, added to X's row, the
+  // fold's sums at fold_rows_acc + i * ld), where the run takes it: T rows
+  // through the in_proj's matvec_rows (which zeroes the sums) and the MoE's
+  // row grid, the router foldable and the launches a grid (matvec_grid_ok);
+  // else empty.
+  std::vector<MatvecParams> rows_out_fold(const LayerDev& D, int T, float* Pj, size_t ldp) {
+    if (!opt.router_fold || !opt.rows_fold || !D.is_moe || !D.fold.acc || T < 2 || T > opt.mv_rows || T > opt.moe_rows ||
+        opt.moe_row_streams != 3)
+      return {};
+    const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), H = c.hidden_size;
+    std::vector<MatvecParams> ps(T);
+    for (int i = 0; i < T; ++i) {
+      MatvecParams& o = ps[i];
+      o.x = pDn.as<float>() + size_t(i) * V;
+      o.pro = Prologue::GatedNorm;
+      o.norm_w = D.dn_norm.as<float>();
+      o.seg = c.linear_value_head_dim;
+      o.gate_z = Pj + C + size_t(i) * ldp;
+      o.eps = c.rms_norm_eps;
+      o.epi = Epilogue::Add;
+      o.fold = D.fold;
+      o.fold.acc = D.fold_rows_acc.as<unsigned long long>() + size_t(i) * D.fold.ld;
+      const auto groups = layout_groups({{&D.out, pX.as<float>() + size_t(i) * H}});
+      if (groups.size() != 1) return {};
+      group_params(o, groups[0]);
+    }
+    if (!matvec_grid_ok(ps.data(), T)) return {};
+    return ps;
   }
 
   // moe_rows_pass's rows as one launch per kernel (moe_row_streams 3):

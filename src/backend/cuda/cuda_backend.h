@@ -46,6 +46,10 @@ struct CudaOptions {
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
   int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
   bool router_fold = true;  // MoE router logits summed in the out_proj epilogue (no router launch)
+  // The same for a short run's DeltaNet layers where their in_proj, out_proj
+  // and MoE take the decode forms (runs of 2..mv_rows with moe_row_streams
+  // 3): the out_proj with the fold once per row as one launch over the rows.
+  bool rows_fold = true;
   // The DeltaNet step run inside the in_proj's launch (launch_matvec_dn,
   // clusters per key head) where the shapes fit, one launch fewer per
   // DeltaNet layer. Off until measured on a GPU (docs/cuda-decode.md, "v21").

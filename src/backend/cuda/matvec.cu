@@ -1639,9 +1639,9 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 // block within that row's grid, so each row's blocks compute what its own
 // launch would (the same bits). q4 weights on integer inputs and q8 weights
 // with the one-pass staging only (matvec_grid_ok, moe_down_grid_ok).
-template <QFmt F, bool Route, int XB>
+template <QFmt F, bool Route, int XB, bool Fold = false>
 __global__ void __launch_bounds__(kMatvecThreads) matvec_grid_kernel(const __grid_constant__ MatvecGridParams g) {
-  matvec_body<F, Route, true, false, XB>(g.p[blockIdx.y]);
+  matvec_body<F, Route, true, Fold, XB>(g.p[blockIdx.y]);
 }
 template <int U, int XB>
 __global__ void __launch_bounds__(kMatvecThreads) moe_down_grid_kernel(const __grid_constant__ MoeDownGridParams g) {
@@ -1890,6 +1890,16 @@ void (*matvec_grid_kernel_for(const MatvecParams& p))(const MatvecGridParams) {
   if (p.fmt == QFmt::Q8) return matvec_grid_kernel<QFmt::Q8, Route, 0>;
   return p.act_bits == 8 ? matvec_grid_kernel<QFmt::Q4, Route, 8> : matvec_grid_kernel<QFmt::Q4, Route, 16>;
 }
+// With the router fold (q4 on integer inputs only: matvec_grid_ok).
+void (*matvec_grid_fold_kernel_for(const MatvecParams& p))(const MatvecGridParams) {
+  static bool init = [] {
+    allow_big_smem(matvec_grid_kernel<QFmt::Q4, false, 8, true>);
+    allow_big_smem(matvec_grid_kernel<QFmt::Q4, false, 16, true>);
+    return true;
+  }();
+  (void)init;
+  return p.act_bits == 8 ? matvec_grid_kernel<QFmt::Q4, false, 8, true> : matvec_grid_kernel<QFmt::Q4, false, 16, true>;
+}
 }  // namespace
 
 namespace {
@@ -1949,8 +1959,7 @@ bool matvec_rows_ok(const MatvecParams& p) {
   if (p.nrows == 1) return true;
   if (p.nrows < 1 || p.nrows > kMaxMatvecRows || p.fmt != QFmt::Q4 || (p.act_bits != 8 && p.act_bits != 16))
     return false;
-  if (p.route.on() || p.fold.acc || p.argmax || p.fin != Finish::None || p.gate_z_early || p.zero_n > 0)
-    return false;
+  if (p.route.on() || p.fold.acc || p.argmax || p.fin != Finish::None || p.gate_z_early) return false;
   if (p.ldx % 4 != 0 || (p.gate_z && p.ldz % 4 != 0)) return false;  // every row 16-byte aligned
   for (int j = 0; j < p.njobs; ++j)
     if (p.jobs[j].slot >= 0) return false;
@@ -2076,7 +2085,9 @@ bool same_but_pointers(const MatvecParams& a, const MatvecParams& b) {
             a.pro == b.pro && a.seg == b.seg && a.eps == b.eps && a.epi == b.epi && a.argmax == b.argmax &&
             a.fin == b.fin && a.gate_z_early == b.gate_z_early && a.zero_n == b.zero_n &&
             a.act_bits == b.act_bits && a.nrows == b.nrows && a.grid_div == b.grid_div &&
-            !a.gate_z == !b.gate_z && !a.norm_w == !b.norm_w && !a.fold.acc == !b.fold.acc;
+            !a.gate_z == !b.gate_z && !a.norm_w == !b.norm_w && !a.fold.acc == !b.fold.acc &&
+            a.fold.n == b.fold.n && a.fold.ld == b.fold.ld && a.fold.gshift == b.fold.gshift &&
+            a.fold.sb_f16 == b.fold.sb_f16;
   const RouteSpec &ra = a.route, &rb = b.route;
   ok = ok && ra.on() == rb.on() && ra.experts == rb.experts && ra.k == rb.k && ra.norm_topk == rb.norm_topk &&
        !ra.logits == !rb.logits && !ra.acc == !rb.acc && ra.acc_shared == rb.acc_shared &&
@@ -2105,7 +2116,7 @@ bool matvec_grid_ok(const MatvecParams* ps, int n) {
   if (n < 1 || n > kMaxGridRows) return false;
   const MatvecParams& p0 = ps[0];
   const bool q4 = p0.fmt == QFmt::Q4 && (p0.act_bits == 8 || p0.act_bits == 16);
-  if (!(q4 || p0.fmt == QFmt::Q8) || p0.nrows != 1 || p0.fold.acc || p0.route.acc || p0.argmax ||
+  if (!(q4 || p0.fmt == QFmt::Q8) || p0.nrows != 1 || (p0.fold.acc && !q4) || p0.argmax ||
       p0.fin != Finish::None || p0.gate_z_early || p0.zero_n > 0)
     return false;
   const int nthr = p0.route.on() ? kMatvecThreads - 32 : kMatvecThreads;
@@ -2123,7 +2134,9 @@ void launch_matvec_grid(const MatvecParams* ps, int n, cudaStream_t s, bool pdl)
          "weights on integer inputs or q8, the one-pass staging, and no fold, argmax, finish or early gate");
   for (int i = 0; i < n; ++i) check_matvec(ps[i]);
   const MatvecParams& p0 = ps[0];
-  auto kernel = p0.route.on() ? matvec_grid_kernel_for<true>(p0) : matvec_grid_kernel_for<false>(p0);
+  auto kernel = p0.fold.acc      ? matvec_grid_fold_kernel_for(p0)
+                : p0.route.on() ? matvec_grid_kernel_for<true>(p0)
+                                : matvec_grid_kernel_for<false>(p0);
   const MatvecLaunch l = plan_matvec(kernel, p0.fmt, p0);
   if (l.grid == 0) return;
   MatvecGridParams g;
