@@ -48,7 +48,9 @@ struct CudaOptions {
   bool router_fold = true;  // MoE router logits summed in the out_proj epilogue (no router launch)
   // The same for a short run's DeltaNet layers where their in_proj, out_proj
   // and MoE take the decode forms (runs of 2..mv_rows with moe_row_streams
-  // 3): the out_proj with the fold once per row as one launch over the rows.
+  // 3): the out_proj with the fold once per row as one launch over the rows
+  // (a run of 2 1.54 decode steps against 1.64; docs/cuda-prefill.md "Short
+  // runs, round 7").
   bool rows_fold = true;
   // The DeltaNet step run inside the in_proj's launch (launch_matvec_dn,
   // clusters per key head) where the shapes fit, one launch fewer per
