@@ -977,6 +977,13 @@ void moe_grid_rows_match_row_launches(int T, int bits, bool fold) {
     float* sw = z.sel_w.as<float>() + size_t(i) * (k + 1);
     float* act = z.act.as<float>() + size_t(i) * hb;
     unsigned long long* acc = z.acc.as<unsigned long long>() + size_t(i) * ld;
+    // The row's input RMSNorm in the prologue (router, gate_up).
+    auto normed = [&](cuda::MatvecParams& p) {
+      p.x = x;
+      p.pro = cuda::Prologue::Norm;
+      p.norm_w = dnw.as<float>();
+      p.seg = H;
+    };
     rp = cuda::MatvecParams{};
     if (fold) {
       rp = one_job(dwo.v, x, da.as<float>() + size_t(i) * A);
@@ -991,19 +998,13 @@ void moe_grid_rows_match_row_launches(int T, int bits, bool fold) {
       rp.njobs = 2;
       rp.jobs[0] = {dr.v.w, dr.v.sb, E, -1, 0, 0, lg};
       rp.jobs[1] = {dsg.v.w, dsg.v.sb, 1, -1, 0, 0, lg + E};
-      rp.x = x;
-      rp.pro = cuda::Prologue::Norm;
-      rp.norm_w = dnw.as<float>();
-      rp.seg = H;
+      normed(rp);
     }
     rp.act_bits = bits;
     rp.grid_div = T;
     gp = cuda::MatvecParams{};
     cuda::set_layout(gp, es.stack.v);
-    gp.x = x;
-    gp.pro = cuda::Prologue::Norm;
-    gp.norm_w = dnw.as<float>();
-    gp.seg = H;
+    normed(gp);
     gp.act_bits = bits;
     gp.grid_div = T;
     gp.route = {lg, E, k, 1, lg + E, sidx, sw};

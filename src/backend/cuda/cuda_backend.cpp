@@ -718,7 +718,8 @@ struct CudaBackend::Impl {
   // weighted sum into X. grid_div: see MatvecParams::grid_div; acc (R null):
   // the folded sums to route from instead of the layer's own (a run's row).
   void add_moe(std::vector<Step>& steps, const LayerDev& L, const MatvecParams& post, float* R, int* sidx,
-               float* sw, float* Hb, float* X, int grid_div = 1, const unsigned long long* acc = nullptr) {
+               float* sw, float* Hb, float* X, int grid_div = 1,
+               const unsigned long long* acc = nullptr) {
     const int E = c.num_experts, k = c.num_experts_per_tok, I = c.moe_intermediate_size, H = c.hidden_size;
     if (R) {
       MatvecParams rp = post;
@@ -784,7 +785,8 @@ struct CudaBackend::Impl {
         p.jobs[i] = g[i].second;
         bytes += g[i].second.expert ? double(g[i].first->v.bytes()) / E : double(g[i].first->v.bytes());
       }
-      steps.push_back({"moe.down", bytes, 0, [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }, nullptr,
+      steps.push_back({"moe.down", bytes, 0,
+                       [p](cudaStream_t s, bool pdl) { launch_moe_down(p, s, pdl); }, nullptr,
                        std::make_shared<const MoeDownParams>(p)});
     }
   }
@@ -1610,7 +1612,8 @@ struct CudaBackend::Impl {
   // each row's launches the same bits as a decode step's on that row; rows
   // 1.. on streams of their own (moe_row_streams), forked from s and joined
   // back into it.
-  void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s, const unsigned long long* fold_acc = nullptr) {
+  void moe_rows_pass(const LayerDev& D, int T, cudaStream_t s,
+                     const unsigned long long* fold_acc = nullptr) {
     const int H = c.hidden_size, k = c.num_experts_per_tok;
     float* X = pX.as<float>();
     // Each row's launches, a 1 / T share of the SMs where they run together;
@@ -1628,7 +1631,8 @@ struct CudaBackend::Impl {
       if (fold_acc)
         add_moe(st, D, post, nullptr, sidx, sw, Hb, Xi, grid_div, fold_acc + size_t(i) * D.fold.ld);
       else
-        add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi, grid_div);
+        add_moe(st, D, post, pRl.as<float>() + size_t(i) * (c.num_experts + 1), sidx, sw, Hb, Xi,
+                grid_div);
       return st;
     };
     if (T > 1 && opt.moe_row_streams == 3 && moe_rows_grid(T, s, row_steps)) return;
@@ -1673,9 +1677,9 @@ struct CudaBackend::Impl {
   // row grid, the router foldable and the launches a grid (matvec_grid_ok);
   // else empty.
   std::vector<MatvecParams> rows_out_fold(const LayerDev& D, int T, float* Pj, size_t ldp) {
-    if (!opt.router_fold || !opt.rows_fold || !D.is_moe || !D.fold.acc || T < 2 || T > opt.mv_rows || T > opt.moe_rows ||
-        opt.moe_row_streams != 3)
+    if (!opt.router_fold || !opt.rows_fold || !D.is_moe || !D.fold.acc || opt.moe_row_streams != 3)
       return {};
+    if (T < 2 || T > opt.mv_rows || T > kMaxMatvecRows || T > opt.moe_rows) return {};
     const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), H = c.hidden_size;
     std::vector<MatvecParams> ps(T);
     for (int i = 0; i < T; ++i) {
@@ -1716,8 +1720,9 @@ struct CudaBackend::Impl {
         else if (r[j].down) down[j].push_back(*r[j].down);
         else return false;
       }
-      const bool ok = mv[j].size() == size_t(T) ? matvec_grid_ok(mv[j].data(), T)
-                                                : down[j].size() == size_t(T) && moe_down_grid_ok(down[j].data(), T);
+      const bool ok = mv[j].size() == size_t(T)
+                          ? matvec_grid_ok(mv[j].data(), T)
+                          : down[j].size() == size_t(T) && moe_down_grid_ok(down[j].data(), T);
       if (!ok) return false;
     }
     for (size_t j = 0; j < n; ++j) {

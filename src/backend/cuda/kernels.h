@@ -228,7 +228,8 @@ struct MatvecParams {
   // summed exactly as a launch of that row alone (the same bits). 2..
   // kMaxMatvecRows only with q4 weights on integer inputs (act_bits) and the
   // one-pass staging, without route, fold, argmax, finish or gate_z_early
-  // (matvec_rows_ok). (Last, so the other fields keep their offsets.)
+  // (matvec_rows_ok; zero_acc as in any launch: a run's in_proj zeroes its
+  // rows' fold sums). (Last, so the other fields keep their offsets.)
   int nrows = 1;
   long long ldx = 0, ldz = 0, ldo = 0;
   // The launch's grid at most 1 / grid_div of what the SMs hold (a launch
@@ -275,8 +276,9 @@ void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
 // its own launch would, the same bits. Each row's grid is the first's, which
 // counts grid_div as for launches side by side. The _ok functions say
 // whether the launch takes them: q4 weights on integer inputs (act_bits 8 /
-// 16) or q8 (matvec only), the one-pass staging, and no router fold,
-// argmax, finish or early gate; the launches fail (lily::Error) otherwise. ps: n parameters.
+// 16) or q8 (matvec only; a router fold (RouterFold): q4 only), the
+// one-pass staging, and no argmax, finish, early gate or zeroing
+// (zero_acc); the launches fail (lily::Error) otherwise. ps: n parameters.
 constexpr int kMaxGridRows = 8;
 struct MatvecGridParams {
   int n = 0;

@@ -1640,11 +1640,13 @@ __global__ void __launch_bounds__(kMatvecThreads) moe_down_kernel(const __grid_c
 // launch would (the same bits). q4 weights on integer inputs and q8 weights
 // with the one-pass staging only (matvec_grid_ok, moe_down_grid_ok).
 template <QFmt F, bool Route, int XB, bool Fold = false>
-__global__ void __launch_bounds__(kMatvecThreads) matvec_grid_kernel(const __grid_constant__ MatvecGridParams g) {
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_grid_kernel(const __grid_constant__ MatvecGridParams g) {
   matvec_body<F, Route, true, Fold, XB>(g.p[blockIdx.y]);
 }
 template <int U, int XB>
-__global__ void __launch_bounds__(kMatvecThreads) moe_down_grid_kernel(const __grid_constant__ MoeDownGridParams g) {
+__global__ void __launch_bounds__(kMatvecThreads)
+    moe_down_grid_kernel(const __grid_constant__ MoeDownGridParams g) {
   moe_down_body<QFmt::Q4, U, XB>(g.p[blockIdx.y]);
 }
 
@@ -2131,7 +2133,8 @@ bool matvec_grid_ok(const MatvecParams* ps, int n) {
 void launch_matvec_grid(const MatvecParams* ps, int n, cudaStream_t s, bool pdl) {
   if (!matvec_grid_ok(ps, n))
     fail("matvec grid: ", n, " launches (1..", kMaxGridRows, ") need the same shapes and options, q4 "
-         "weights on integer inputs or q8, the one-pass staging, and no fold, argmax, finish or early gate");
+         "weights on integer inputs (a router fold: only these) or q8, the one-pass staging, and no "
+         "argmax, finish, early gate or zeroing");
   for (int i = 0; i < n; ++i) check_matvec(ps[i]);
   const MatvecParams& p0 = ps[0];
   auto kernel = p0.fold.acc      ? matvec_grid_fold_kernel_for(p0)
