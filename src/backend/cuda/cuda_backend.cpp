@@ -1398,11 +1398,20 @@ struct CudaBackend::Impl {
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
         float* Pj = record ? cache.draft.proj[l].as<float>() : pProj.as<float>();
+        MatvecParams o;  // the out_proj: the gated RMSNorm in its prologue, rows ldz / V apart
+        o.x = pDn.as<float>();
+        o.pro = Prologue::GatedNorm;
+        o.norm_w = D.dn_norm.as<float>();
+        o.seg = c.linear_value_head_dim;
+        o.gate_z = Pj + C;
+        o.ldz = static_cast<long long>(ldp);
+        o.eps = eps;
+        o.epi = Epilogue::Add;
         // A run whose in_proj and MoE take their decode forms (matvec_rows,
         // the rows' grid): the router folded into the out_proj as in the
         // decode step, each row's out_proj launch with the fold as one launch
         // over the rows, and no router launch; the in_proj zeroes the sums.
-        std::vector<MatvecParams> out_fold = rows_out_fold(D, T, Pj, ldp);
+        std::vector<MatvecParams> out_fold = rows_out_fold(D, T, o, V);
         MatvecParams in_p = norm_rows(D.input_norm);
         if (!out_fold.empty()) {
           in_p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
@@ -1425,15 +1434,6 @@ struct CudaBackend::Impl {
         }
         prefill_deltanet(da, s);
         marks.mark("dn core", s);
-        MatvecParams o;  // the gated RMSNorm in the out_proj's prologue
-        o.x = pDn.as<float>();
-        o.pro = Prologue::GatedNorm;
-        o.norm_w = D.dn_norm.as<float>();
-        o.seg = c.linear_value_head_dim;
-        o.gate_z = Pj + C;
-        o.ldz = static_cast<long long>(ldp);
-        o.eps = eps;
-        o.epi = Epilogue::Add;
         if (!out_fold.empty()) {
           launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
           marks.mark("dn out_proj", s);
@@ -1670,27 +1670,25 @@ struct CudaBackend::Impl {
   }
 
   // A DeltaNet layer's out_proj for a run of T rows with the router folded
-  // in, one launch's parameters a row (the decode step's out_proj: the
-  // gated RMSNorm of pDn's row under Pj's gate z, added to X's row, the
-  // fold's sums at fold_rows_acc + i * ld), where the run takes it: T rows
-  // through the in_proj's matvec_rows (which zeroes the sums) and the MoE's
-  // row grid, the router foldable and the launches a grid (matvec_grid_ok);
-  // else empty.
-  std::vector<MatvecParams> rows_out_fold(const LayerDev& D, int T, float* Pj, size_t ldp) {
+  // in, one launch's parameters a row: proto (the run's out_proj over all
+  // rows: x rows ldx apart, gate z rows proto.ldz apart, added to X's rows)
+  // as row i's own launch, the decode step's out_proj, with the fold's sums
+  // at fold_rows_acc + i * ld; where the run takes it: T rows through the
+  // in_proj's matvec_rows (which zeroes the sums) and the MoE's row grid,
+  // the router foldable and the launches a grid (matvec_grid_ok); else
+  // empty.
+  std::vector<MatvecParams> rows_out_fold(const LayerDev& D, int T, const MatvecParams& proto,
+                                          int ldx) {
     if (!opt.router_fold || !opt.rows_fold || !D.is_moe || !D.fold.acc || opt.moe_row_streams != 3)
       return {};
     if (T < 2 || T > opt.mv_rows || T > kMaxMatvecRows || T > opt.moe_rows) return {};
-    const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), H = c.hidden_size;
-    std::vector<MatvecParams> ps(T);
+    const int H = c.hidden_size;
+    std::vector<MatvecParams> ps(T, proto);
     for (int i = 0; i < T; ++i) {
       MatvecParams& o = ps[i];
-      o.x = pDn.as<float>() + size_t(i) * V;
-      o.pro = Prologue::GatedNorm;
-      o.norm_w = D.dn_norm.as<float>();
-      o.seg = c.linear_value_head_dim;
-      o.gate_z = Pj + C + size_t(i) * ldp;
-      o.eps = c.rms_norm_eps;
-      o.epi = Epilogue::Add;
+      o.x += size_t(i) * ldx;
+      if (o.gate_z) o.gate_z += size_t(i) * proto.ldz;
+      o.ldz = 0;  // one row a launch
       o.fold = D.fold;
       o.fold.acc = D.fold_rows_acc.as<unsigned long long>() + size_t(i) * D.fold.ld;
       const auto groups = layout_groups({{&D.out, pX.as<float>() + size_t(i) * H}});
