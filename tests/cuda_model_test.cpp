@@ -235,14 +235,31 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
   const int strict = fixture == "qwen3" ? n : 0;
   Sequence sc(cpu_backend_for(fixture), 4096);
   const auto want = sc.append(ref.prompt, LogitsMode::All);
-  for (auto [chunk, kv] : {std::pair{4096, cuda::KvType::BF16}, std::pair{7, cuda::KvType::BF16},
-                           std::pair{7, cuda::KvType::Q8}, std::pair{3, cuda::KvType::BF16}}) {
-    auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk, kv));
+  struct Case {
+    int chunk;
+    cuda::KvType kv;
+    bool split;  // the attention's split form (the draft backend)
+  };
+  for (auto [chunk, kv, split] : {Case{4096, cuda::KvType::BF16, false}, Case{7, cuda::KvType::BF16, false},
+                                  Case{7, cuda::KvType::Q8, false}, Case{3, cuda::KvType::BF16, false},
+                                  Case{2, cuda::KvType::BF16, true}}) {
+    auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk, kv, split));
     ASSERT_TRUE(g.prefill_enabled()) << g.prefill_disabled_reason();
     Sequence s(g, 4096);
     const auto all = s.append(ref.prompt, LogitsMode::All);
-    const std::string what =
-        fixture + "/" + which + " chunk " + std::to_string(chunk) + " kv " + cuda::kv_type_name(kv);
+    const std::string what = fixture + "/" + which + " chunk " + std::to_string(chunk) + " kv " +
+                             cuda::kv_type_name(kv) + (split ? " split attention" : "");
+    // Runs of 2 on the q4 fixture fold the router into the attention
+    // layers' o_proj (CudaOptions::rows_fold 2: the split form's f32 rows
+    // into the decode matvec with the fold); the last pass is one where n
+    // is even. (Its DeltaNet out_proj does not take the fold's grid, whose
+    // one-pass staging this tiny shape misses: CudaMoeGrid covers that fold.)
+    if (split && fixture == "qwen3_5_moe-mlx4" && n % 2 == 0) {
+      const auto f = g.last_run_folds();
+      EXPECT_GT(f.attention, 0) << what;
+      std::printf("[ cuda     ] %s: the last run's layers with the rows' fold: %d DeltaNet, %d attention\n",
+                  what.c_str(), f.deltanet, f.attention);
+    }
     const RowsCheck r = check_rows(all.data(), want.data(), n, V, strict, what + " vs cpu");
     check_rows(all.data(), ref.prefill_logits.data(), n, V, strict, what + " vs reference");
     // LastOnly gives the last row (through the f32 lm_head matvec).

@@ -1498,6 +1498,24 @@ void run_attention_case(int T, int P, bool gated, uint64_t seed, int nh = 16, in
   // P is rounded to bf16 before P.V (2^-9 relative per weight) and the output
   // to bf16 (2^-9): a few 1e-3.
   EXPECT_LT(e, 1e-2);
+  // The split form's f32 rows (PrefillAttentionArgs::out_f32): the values
+  // the bf16 rows round (every element bit for bit after rounding), and
+  // refused by the whole-context kernel.
+  Dev out32(size_t(T) * out_row * 4);
+  ck(cudaMemset(out32.p, 0xFF, out32.bytes), "memset");
+  a.out = nullptr;
+  a.out_f32 = out32.as<float>();
+  if (prefill_attention_splits(a) == 0) {
+    EXPECT_THROW(prefill_attention(a, nullptr), Error);
+    return;
+  }
+  prefill_attention(a, nullptr);
+  const auto h32 = download<float>(out32, size_t(T) * out_row);
+  size_t diff = 0;
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < nh * hd; ++i)
+      diff += f32_to_bf16(h32[size_t(t) * out_row + i]) != h[size_t(t) * out_row + i];
+  EXPECT_EQ(diff, 0u) << "f32 rows against the bf16 rows";
 }
 
 TEST(CudaPrefillAttention, MatchesCpu) {

@@ -94,7 +94,7 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
-  if (const char* v = std::getenv("LILY_CUDA_ROWS_FOLD")) o.rows_fold = std::string(v) != "0";
+  if (const char* v = std::getenv("LILY_CUDA_ROWS_FOLD")) o.rows_fold = std::clamp(std::atoi(v), 0, 2);
   if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
@@ -355,8 +355,12 @@ struct CudaBackend::Impl {
   // A short run's MoE as decode MoEs (CudaOptions::moe_rows): per row, the
   // activations [k + 1][I], then the selection's ids [k] and weights [k + 1].
   DeviceBuffer pMoeRows;
-  // The prefill attention's split form (few queries over a long context).
-  DeviceBuffer pAttnWs;
+  // The prefill attention's split form (few queries over a long context);
+  // the f32 output rows of a run whose o_proj takes the fold (rows_out_fold).
+  DeviceBuffer pAttnWs, pAttnRows;
+  // The layers whose out projection took the rows' fold in the last pass
+  // (CudaBackend::last_run_folds).
+  CudaBackend::RunFolds run_folds;
   // q8 KV: one layer's K and V rows in bf16 for the prefill attention,
   // [K, V][nkv][pKvCap][head_dim], grown to the cache's capacity.
   DeviceBuffer pKv;
@@ -1282,7 +1286,10 @@ struct CudaBackend::Impl {
     if (!pAttnWs && opt.attn_split) {
       bool attn = false;
       for (LayerKind k : c.layer_kinds) attn = attn || k == LayerKind::FullAttention;
-      if (attn) pAttnWs.alloc(prefill_attention_workspace_bytes(c.num_heads, c.num_kv_heads, c.head_dim));
+      if (attn) {
+        pAttnWs.alloc(prefill_attention_workspace_bytes(c.num_heads, c.num_kv_heads, c.head_dim));
+        pAttnRows.alloc(size_t(kMaxMatvecRows) * c.num_heads * c.head_dim * 4);
+      }
     }
     p_rows = rows;
   }
@@ -1379,6 +1386,7 @@ struct CudaBackend::Impl {
     const size_t lda = p_ld_act, ldp = p_ld_proj;
     const PrefillScratch p_scr{pWx.get(), pWx.bytes()};  // empty below 1024-token chunks
     if (l0 == 0) {
+      run_folds = {};
       marks.mark("start", s);
       launch_embed_rows(embed.v, tokens, T, X, H, s);
       marks.mark("embed", s);
@@ -1436,6 +1444,7 @@ struct CudaBackend::Impl {
         marks.mark("dn core", s);
         if (!out_fold.empty()) {
           launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
+          ++run_folds.deltanet;
           marks.mark("dn out_proj", s);
           moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
           normed = false;
@@ -1454,9 +1463,20 @@ struct CudaBackend::Impl {
         const int hd = c.head_dim, qhs = hd * (c.attn_output_gate ? 2 : 1);
         const int qdim = c.num_heads * qhs;
         const int kvdim = c.num_kv_heads * hd;
+        // As the DeltaNet's out_proj above: the o_proj with the router
+        // folded in where the run takes it (and the attention its split form).
+        MatvecParams o;  // the o_proj on the attention's f32 rows, added to X's rows
+        o.x = pAttnRows.as<float>();
+        o.epi = Epilogue::Add;
+        std::vector<MatvecParams> out_fold = rows_out_fold(D, T, o, c.num_heads * hd);
+        MatvecParams in_p = norm_rows(D.input_norm);
+        if (!out_fold.empty()) {
+          in_p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
+          in_p.zero_n = T * D.fold.ld;
+        }
         // q | k | v side by side in Pj.
-        if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, norm_rows(D.input_norm), T, H,
-                         ldp, s)) {
+        if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, in_p, T, H, ldp, s)) {
+          out_fold.clear();
           input_norm();
           const PrefillWeight qkv[3] = {W.q, W.k, W.v};
           prefill_gemm_fused(qkv, 3, Xn, T, H, Pj, ldp, PrefillOut::F32, s, p_scr);
@@ -1531,6 +1551,21 @@ struct CudaBackend::Impl {
         }
         aa.out = A;
         aa.out_row_stride = lda;
+        if (!out_fold.empty() && prefill_attention_splits(aa) > 0) {
+          aa.out = nullptr;
+          aa.out_f32 = pAttnRows.as<float>();
+          aa.out_row_stride = size_t(c.num_heads) * hd;
+          marks.mark("attn prep+kv", s);
+          prefill_attention(aa, s);
+          marks.mark("attention", s);
+          launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
+          ++run_folds.attention;
+          marks.mark("attn o_proj", s);
+          moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
+          normed = false;
+          marks.mark("routed experts", s);
+          continue;
+        }
         marks.mark("attn prep+kv", s);
         prefill_attention(aa, s);
         marks.mark("attention", s);
@@ -1676,12 +1711,15 @@ struct CudaBackend::Impl {
   // at fold_rows_acc + i * ld; where the run takes it: T rows through the
   // in_proj's matvec_rows (which zeroes the sums) and the MoE's row grid,
   // the router foldable and the launches a grid (matvec_grid_ok); else
-  // empty.
+  // empty. An attention layer's o_proj the same way: proto's x the
+  // attention's f32 rows (pAttnRows, which its split form writes).
   std::vector<MatvecParams> rows_out_fold(const LayerDev& D, int T, const MatvecParams& proto,
                                           int ldx) {
     if (!opt.router_fold || !opt.rows_fold || !D.is_moe || !D.fold.acc || opt.moe_row_streams != 3)
       return {};
     if (T < 2 || T > opt.mv_rows || T > kMaxMatvecRows || T > opt.moe_rows) return {};
+    const bool dn = D.kind == LayerKind::DeltaNet;
+    if (!dn && (opt.rows_fold < 2 || !pAttnRows)) return {};
     const int H = c.hidden_size;
     std::vector<MatvecParams> ps(T, proto);
     for (int i = 0; i < T; ++i) {
@@ -1691,7 +1729,7 @@ struct CudaBackend::Impl {
       o.ldz = 0;  // one row a launch
       o.fold = D.fold;
       o.fold.acc = D.fold_rows_acc.as<unsigned long long>() + size_t(i) * D.fold.ld;
-      const auto groups = layout_groups({{&D.out, pX.as<float>() + size_t(i) * H}});
+      const auto groups = layout_groups({{dn ? &D.out : &D.o, pX.as<float>() + size_t(i) * H}});
       if (groups.size() != 1) return {};
       group_params(o, groups[0]);
     }
@@ -2362,6 +2400,7 @@ void CudaBackend::decode_steps(SequenceCache& base, int n, int first_token) {
 void CudaBackend::synchronize() { LILY_CUDA(cudaStreamSynchronize(impl_->stream)); }
 
 bool CudaBackend::prefill_enabled() const { return impl_->prefill_ok; }
+CudaBackend::RunFolds CudaBackend::last_run_folds() const { return impl_->run_folds; }
 std::string CudaBackend::prefill_disabled_reason() const { return impl_->prefill_why; }
 int CudaBackend::prefill_chunk() const { return impl_->prefill_chunk(); }
 

@@ -46,12 +46,14 @@ struct CudaOptions {
   bool prefill = true;   // tensor-core prefill for runs of >= 2 tokens (else decode steps)
   int prefill_chunk = 0;  // tokens per prefill pass (bounds the workspace); 0: by free memory, <= 16384
   bool router_fold = true;  // MoE router logits summed in the out_proj epilogue (no router launch)
-  // The same for a short run's DeltaNet layers where their in_proj, out_proj
-  // and MoE take the decode forms (runs of 2..mv_rows with moe_row_streams
-  // 3): the out_proj with the fold once per row as one launch over the rows
-  // (a run of 2 1.54 decode steps against 1.64; docs/cuda-prefill.md "Short
-  // runs, round 7").
-  bool rows_fold = true;
+  // The same for a short run's layers where their projections and MoE take
+  // the decode forms (runs of 2..mv_rows with moe_row_streams 3): the
+  // out_proj / o_proj with the fold once per row as one launch over the rows
+  // (a run of 2 1.54 decode steps against 1.64 with the DeltaNet layers'
+  // alone; docs/cuda-prefill.md "Short runs, round 7" and "round 8"). 2: both
+  // kinds of layer (an attention layer's where its attention takes the split
+  // form, which writes f32 rows for it), 1: the DeltaNet layers only, 0: off.
+  int rows_fold = 2;
   // The DeltaNet step run inside the in_proj's launch (launch_matvec_dn,
   // clusters per key head) where the shapes fit, one launch fewer per
   // DeltaNet layer. Off until measured on a GPU (docs/cuda-decode.md, "v21").
@@ -136,7 +138,7 @@ int auto_moe_rows(int experts, int k);
 // LILY_CUDA_DRAFT_GRAPH=0|1, LILY_CUDA_DRAFT_GRAPH_PARTS=1..64,
 // LILY_CUDA_MOE_GROUPED=0|1,
 // LILY_CUDA_SHORT_PDL=0|1, LILY_CUDA_FOLD_NORMS=0|1, LILY_CUDA_MV_ROWS=0..4,
-// LILY_CUDA_MOE_ROWS=0..8, LILY_CUDA_MOE_ROW_STREAMS=0..2.
+// LILY_CUDA_MOE_ROWS=0..8, LILY_CUDA_MOE_ROW_STREAMS=0..3, LILY_CUDA_ROWS_FOLD=0..2.
 CudaOptions options_from_env();
 
 struct KernelTiming {
@@ -205,6 +207,13 @@ class CudaBackend : public Backend {
   // Whether runs of several tokens use the prefill kernels, and if not why.
   bool prefill_enabled() const;
   std::string prefill_disabled_reason() const;
+  // The layers of the last pass of several tokens (a prefill chunk, a draft
+  // run) whose out projection took the router fold over the run's rows
+  // (CudaOptions::rows_fold), by kind.
+  struct RunFolds {
+    int deltanet = 0, attention = 0;
+  };
+  RunFolds last_run_folds() const;
   // Tokens per prefill pass (CudaOptions::prefill_chunk, or the size chosen
   // from the free device memory when that is 0).
   int prefill_chunk() const;

@@ -254,6 +254,9 @@ struct PrefillAttentionArgs {
   int scale_stride = 0;
   uint16_t* out = nullptr;  // bf16 [T][out_row_stride], head h at h * head_dim
   size_t out_row_stride = 0;
+  // Or f32 rows there instead (out unused; the split form only, otherwise
+  // an error): a short run whose o_proj takes the decode matvec.
+  float* out_f32 = nullptr;
   // Optional (prefill_attention_workspace_bytes): with T x (nh / nkv) <= 512
   // query rows (a short run after a long context: a draft run, a follow-up
   // turn's few tokens), one block per (key range, KV head, 128 of the

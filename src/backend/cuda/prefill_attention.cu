@@ -267,6 +267,7 @@ struct AttnSplitParams {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   int scale_stride = 0;
+  float* out_f32 = nullptr;  // f32 rows at a.out's strides instead of bf16 (PrefillAttentionArgs::out_f32)
 };
 
 // A q8 K/V tile into bf16 shared rows (synchronous: loads, (u - 128) s
@@ -408,7 +409,9 @@ __global__ void attn_split_combine_kernel(const AttnSplitParams sp, int hd) {
   }
   float v = O / L;
   if (sp.a.gate) v *= p_sigmoid(__uint_as_float(uint32_t(sp.a.gate[size_t(t) * sp.a.q_row + size_t(h) * sp.a.q_head + d]) << 16));
-  sp.a.out[size_t(t) * sp.a.out_row + size_t(h) * hd + d] = f32_to_bf16_bits(v);
+  const size_t at = size_t(t) * sp.a.out_row + size_t(h) * hd + d;
+  if (sp.out_f32) sp.out_f32[at] = v;
+  else sp.a.out[at] = f32_to_bf16_bits(v);
 }
 
 template <int HD>
@@ -498,10 +501,13 @@ void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
     fail("prefill_attention: positions [", a.first_position, ", ", a.first_position + a.T,
          ") exceed the cache capacity ", a.capacity);
   const bool q8 = a.k_q8 != nullptr;
-  if (!a.q || !a.out || (q8 ? !a.v_q8 || !a.k_scale || !a.v_scale || a.scale_stride < a.capacity
+  if (!a.q || (!a.out && !a.out_f32) || (q8 ? !a.v_q8 || !a.k_scale || !a.v_scale || a.scale_stride < a.capacity
                              : !a.k_cache || !a.v_cache))
     fail("prefill_attention: a required pointer is null");
   const SplitPlan plan = usable_plan(a);
+  if (a.out_f32 && plan.splits == 0)
+    fail("prefill_attention: f32 output rows are written only by the split form (", a.T, " queries, workspace of ",
+         a.workspace_bytes, " bytes)");
   if (q8 && plan.splits == 0)
     fail("prefill_attention: a q8 cache is read in place only by the split form (", a.T, " queries, workspace of ",
          a.workspace_bytes, " bytes)");
@@ -522,6 +528,7 @@ void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
     sp.k_scale = a.k_scale;
     sp.v_scale = a.v_scale;
     sp.scale_stride = a.scale_stride;
+    sp.out_f32 = a.out_f32;
     switch (hd) {
       case 32: launch_attn_split<32>(sp, stream); break;
       case 64: launch_attn_split<64>(sp, stream); break;
