@@ -240,9 +240,10 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
     cuda::KvType kv;
     bool split;  // the attention's split form (the draft backend)
   };
-  for (auto [chunk, kv, split] : {Case{4096, cuda::KvType::BF16, false}, Case{7, cuda::KvType::BF16, false},
-                                  Case{7, cuda::KvType::Q8, false}, Case{3, cuda::KvType::BF16, false},
-                                  Case{2, cuda::KvType::BF16, true}}) {
+  const Case cases[] = {{4096, cuda::KvType::BF16, false}, {7, cuda::KvType::BF16, false},
+                        {7, cuda::KvType::Q8, false},     {3, cuda::KvType::BF16, false},
+                        {2, cuda::KvType::BF16, true}};
+  for (auto [chunk, kv, split] : cases) {
     auto& g = static_cast<cuda::CudaBackend&>(cuda_prefill_backend(fixture, chunk, kv, split));
     ASSERT_TRUE(g.prefill_enabled()) << g.prefill_disabled_reason();
     Sequence s(g, 4096);
@@ -257,7 +258,8 @@ TEST_P(CudaModelFixture, PrefillLogitsMatchCpu) {
     if (split && fixture == "qwen3_5_moe-mlx4" && n % 2 == 0) {
       const auto f = g.last_run_folds();
       EXPECT_GT(f.attention, 0) << what;
-      std::printf("[ cuda     ] %s: the last run's layers with the rows' fold: %d DeltaNet, %d attention\n",
+      std::printf("[ cuda     ] %s: the last run's layers with the rows' fold: %d DeltaNet, "
+                  "%d attention\n",
                   what.c_str(), f.deltanet, f.attention);
     }
     const RowsCheck r = check_rows(all.data(), want.data(), n, V, strict, what + " vs cpu");

@@ -94,7 +94,8 @@ CudaOptions options_from_env() {
   if (const char* v = std::getenv("LILY_CUDA_GRAPHS")) o.graphs = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_PREFILL")) o.prefill = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ROUTER_FOLD")) o.router_fold = std::string(v) != "0";
-  if (const char* v = std::getenv("LILY_CUDA_ROWS_FOLD")) o.rows_fold = std::clamp(std::atoi(v), 0, 2);
+  if (const char* v = std::getenv("LILY_CUDA_ROWS_FOLD"))
+    o.rows_fold = std::clamp(std::atoi(v), 0, 2);
   if (const char* v = std::getenv("LILY_CUDA_DN_IN")) o.dn_in_step = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_ATTN_SPLIT")) o.attn_split = std::string(v) != "0";
   if (const char* v = std::getenv("LILY_CUDA_DRAFT")) o.draft_runs = std::string(v) != "0";
@@ -1403,6 +1404,17 @@ struct CudaBackend::Impl {
         if (!normed) prefill_rmsnorm(X, H, D.input_norm.as<float>(), T, H, eps, Xn, H, s);
         marks.mark("norms", s);
       };
+      // The out projection with the rows' fold (rows_out_fold's launches, one
+      // grid), then the MoE rows routed from the folded sums (no router).
+      auto folded_out_and_moe = [&](const std::vector<MatvecParams>& out_fold, const char* what,
+                                    int& count) {
+        launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
+        ++count;
+        marks.mark(what, s);
+        moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
+        normed = false;
+        marks.mark("routed experts", s);
+      };
       if (D.kind == LayerKind::DeltaNet) {
         const int C = c.deltanet_qkv_dim(), V = c.deltanet_value_dim(), nv = c.linear_num_value_heads;
         float* Pj = record ? cache.draft.proj[l].as<float>() : pProj.as<float>();
@@ -1443,12 +1455,7 @@ struct CudaBackend::Impl {
         prefill_deltanet(da, s);
         marks.mark("dn core", s);
         if (!out_fold.empty()) {
-          launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
-          ++run_folds.deltanet;
-          marks.mark("dn out_proj", s);
-          moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
-          normed = false;
-          marks.mark("routed experts", s);
+          folded_out_and_moe(out_fold, "dn out_proj", run_folds.deltanet);
           continue;
         }
         if (!matvec_rows({{&D.out, X}}, o, T, V, H, s)) {
@@ -1475,7 +1482,8 @@ struct CudaBackend::Impl {
           in_p.zero_n = T * D.fold.ld;
         }
         // q | k | v side by side in Pj.
-        if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, in_p, T, H, ldp, s)) {
+        if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, in_p, T, H,
+                         ldp, s)) {
           out_fold.clear();
           input_norm();
           const PrefillWeight qkv[3] = {W.q, W.k, W.v};
@@ -1558,12 +1566,7 @@ struct CudaBackend::Impl {
           marks.mark("attn prep+kv", s);
           prefill_attention(aa, s);
           marks.mark("attention", s);
-          launch_matvec_grid(out_fold.data(), T, s, prefill_pdl(T));
-          ++run_folds.attention;
-          marks.mark("attn o_proj", s);
-          moe_rows_pass(D, T, s, D.fold_rows_acc.as<unsigned long long>());
-          normed = false;
-          marks.mark("routed experts", s);
+          folded_out_and_moe(out_fold, "attn o_proj", run_folds.attention);
           continue;
         }
         marks.mark("attn prep+kv", s);

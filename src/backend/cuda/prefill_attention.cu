@@ -267,7 +267,8 @@ struct AttnSplitParams {
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   int scale_stride = 0;
-  float* out_f32 = nullptr;  // f32 rows at a.out's strides instead of bf16 (PrefillAttentionArgs::out_f32)
+  // f32 rows at a.out's strides instead of bf16 (PrefillAttentionArgs::out_f32)
+  float* out_f32 = nullptr;
 };
 
 // A q8 K/V tile into bf16 shared rows (synchronous: loads, (u - 128) s
@@ -501,13 +502,14 @@ void prefill_attention(const PrefillAttentionArgs& a, cudaStream_t stream) {
     fail("prefill_attention: positions [", a.first_position, ", ", a.first_position + a.T,
          ") exceed the cache capacity ", a.capacity);
   const bool q8 = a.k_q8 != nullptr;
-  if (!a.q || (!a.out && !a.out_f32) || (q8 ? !a.v_q8 || !a.k_scale || !a.v_scale || a.scale_stride < a.capacity
-                             : !a.k_cache || !a.v_cache))
+  const bool kv_ok = q8 ? a.v_q8 && a.k_scale && a.v_scale && a.scale_stride >= a.capacity
+                        : a.k_cache && a.v_cache;
+  if (!a.q || (!a.out && !a.out_f32) || !kv_ok)
     fail("prefill_attention: a required pointer is null");
   const SplitPlan plan = usable_plan(a);
   if (a.out_f32 && plan.splits == 0)
-    fail("prefill_attention: f32 output rows are written only by the split form (", a.T, " queries, workspace of ",
-         a.workspace_bytes, " bytes)");
+    fail("prefill_attention: f32 output rows are written only by the split form (", a.T,
+         " queries, workspace of ", a.workspace_bytes, " bytes)");
   if (q8 && plan.splits == 0)
     fail("prefill_attention: a q8 cache is read in place only by the split form (", a.T, " queries, workspace of ",
          a.workspace_bytes, " bytes)");
