@@ -1432,11 +1432,7 @@ struct CudaBackend::Impl {
         // decode step, each row's out_proj launch with the fold as one launch
         // over the rows, and no router launch; the in_proj zeroes the sums.
         std::vector<MatvecParams> out_fold = rows_out_fold(D, T, o, V);
-        MatvecParams in_p = norm_rows(D.input_norm);
-        if (!out_fold.empty()) {
-          in_p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
-          in_p.zero_n = T * D.fold.ld;
-        }
+        const MatvecParams in_p = input_rows(D, T, !out_fold.empty());
         // qkv | z | b | a side by side in Pj.
         if (!matvec_rows({{&D.in_qkv, Pj}, {&D.in_z, Pj + C}, {&D.in_b, Pj + C + V}, {&D.in_a, Pj + C + V + nv}},
                          in_p, T, H, ldp, s)) {
@@ -1476,11 +1472,7 @@ struct CudaBackend::Impl {
         o.x = pAttnRows.as<float>();
         o.epi = Epilogue::Add;
         std::vector<MatvecParams> out_fold = rows_out_fold(D, T, o, c.num_heads * hd);
-        MatvecParams in_p = norm_rows(D.input_norm);
-        if (!out_fold.empty()) {
-          in_p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
-          in_p.zero_n = T * D.fold.ld;
-        }
+        const MatvecParams in_p = input_rows(D, T, !out_fold.empty());
         // q | k | v side by side in Pj.
         if (!matvec_rows({{&D.q, Pj}, {&D.k, Pj + qdim}, {&D.v, Pj + qdim + kvdim}}, in_p, T, H,
                          ldp, s)) {
@@ -1707,7 +1699,19 @@ struct CudaBackend::Impl {
     }
   }
 
-  // A DeltaNet layer's out_proj for a run of T rows with the router folded
+  // A run's first projection over its rows (matvec_rows) with the input
+  // norm in its prologue; fold: it also zeroes the rows' folded router sums
+  // (rows_out_fold's launches add into them later in the layer).
+  MatvecParams input_rows(const LayerDev& D, int T, bool fold) const {
+    MatvecParams p = norm_rows(D.input_norm);
+    if (fold) {
+      p.zero_acc = D.fold_rows_acc.as<unsigned long long>();
+      p.zero_n = T * D.fold.ld;
+    }
+    return p;
+  }
+
+  // A layer's out projection for a run of T rows with the router folded
   // in, one launch's parameters a row: proto (the run's out_proj over all
   // rows: x rows ldx apart, gate z rows proto.ldz apart, added to X's rows)
   // as row i's own launch, the decode step's out_proj, with the fold's sums

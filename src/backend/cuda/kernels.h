@@ -278,7 +278,8 @@ void launch_moe_down(const MoeDownParams& p, cudaStream_t s, bool pdl);
 // whether the launch takes them: q4 weights on integer inputs (act_bits 8 /
 // 16) or q8 (matvec only; a router fold (RouterFold): q4 only), the
 // one-pass staging, and no argmax, finish, early gate or zeroing
-// (zero_acc); the launches fail (lily::Error) otherwise. ps: n parameters.
+// (zero_acc), and a fold not with routing; the launches fail (lily::Error)
+// otherwise. ps: n parameters.
 constexpr int kMaxGridRows = 8;
 struct MatvecGridParams {
   int n = 0;

@@ -1900,7 +1900,8 @@ void (*matvec_grid_fold_kernel_for(const MatvecParams& p))(const MatvecGridParam
     return true;
   }();
   (void)init;
-  return p.act_bits == 8 ? matvec_grid_kernel<QFmt::Q4, false, 8, true> : matvec_grid_kernel<QFmt::Q4, false, 16, true>;
+  return p.act_bits == 8 ? matvec_grid_kernel<QFmt::Q4, false, 8, true>
+                         : matvec_grid_kernel<QFmt::Q4, false, 16, true>;
 }
 }  // namespace
 
@@ -2118,8 +2119,9 @@ bool matvec_grid_ok(const MatvecParams* ps, int n) {
   if (n < 1 || n > kMaxGridRows) return false;
   const MatvecParams& p0 = ps[0];
   const bool q4 = p0.fmt == QFmt::Q4 && (p0.act_bits == 8 || p0.act_bits == 16);
-  if (!(q4 || p0.fmt == QFmt::Q8) || p0.nrows != 1 || (p0.fold.acc && !q4) || p0.argmax ||
-      p0.fin != Finish::None || p0.gate_z_early || p0.zero_n > 0)
+  // (A fold's kernel has no routing: a launch takes one or the other.)
+  if (!(q4 || p0.fmt == QFmt::Q8) || p0.nrows != 1 || (p0.fold.acc && (!q4 || p0.route.on())) ||
+      p0.argmax || p0.fin != Finish::None || p0.gate_z_early || p0.zero_n > 0)
     return false;
   const int nthr = p0.route.on() ? kMatvecThreads - 32 : kMatvecThreads;
   for (int i = 0; i < n; ++i) {
@@ -2134,7 +2136,7 @@ void launch_matvec_grid(const MatvecParams* ps, int n, cudaStream_t s, bool pdl)
   if (!matvec_grid_ok(ps, n))
     fail("matvec grid: ", n, " launches (1..", kMaxGridRows, ") need the same shapes and options, q4 "
          "weights on integer inputs (a router fold: only these) or q8, the one-pass staging, and no "
-         "argmax, finish, early gate or zeroing");
+         "argmax, finish, early gate, zeroing or fold with routing");
   for (int i = 0; i < n; ++i) check_matvec(ps[i]);
   const MatvecParams& p0 = ps[0];
   auto kernel = p0.fold.acc      ? matvec_grid_fold_kernel_for(p0)
