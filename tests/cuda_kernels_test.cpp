@@ -1108,7 +1108,13 @@ void moe_grid_rows_match_row_launches(int T, int bits, bool fold) {
   // The rows differ from each other (a grid that ran row 0 T times fails).
   const auto xs = to_host<float>(g.x, size_t(T) * H);
   EXPECT_NE(std::memcmp(xs.data(), xs.data() + H, H * 4), 0);
-  if (fold) return;
+  if (fold) {
+    // A fold together with routing: the fold's kernel has no route path.
+    auto both = rps;
+    for (auto& p : both) p.route = gps[0].route;
+    EXPECT_FALSE(cuda::matvec_grid_ok(both.data(), T));
+    return;
+  }
 
   // What the grid refuses: too many or no rows, a row of another shape, a
   // row not aligned for the one-pass staging, f32 inputs.
