@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on a GPU machine: kernel tests (decode and
 # prefill), model fixture tests (CUDA vs reference vs CPU) and the benchmark
-# (decode and prefill), with a summary.
+# (decode and prefill; per decode step the per-kind profile and the
+# launch-by-launch trace, where each microsecond of a step goes), with a summary.
 #
 #   scripts/gpu-check.sh build   # here (needs nvcc, not a GPU): builds the
 #                                # standalone binaries into build-cuda/
@@ -53,7 +54,7 @@ run() {
     nvidia-smi dmon -s pc -d 1 >"$OUT/dmon.log" 2>&1 &
     local dmon=$!
     timeout 300 "$B/lily_bench_device" --synthetic qwen3.6-35b-a3b --backend cuda \
-      --ctx "${CTX:-256,4096,32768,131072}" --prefill "${PREFILL:-256,4096,32768,131072}" --profile --json "$OUT/bench-qwen3.6-35b-a3b.json" \
+      --ctx "${CTX:-256,4096,32768,131072}" --prefill "${PREFILL:-256,4096,32768,131072}" --profile --trace --json "$OUT/bench-qwen3.6-35b-a3b.json" \
       ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG"
     bench_rc=${PIPESTATUS[0]}
     if [[ ${BENCH_Q8KV:-1} == 1 ]]; then
