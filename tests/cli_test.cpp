@@ -198,6 +198,9 @@ TEST(Cli, BenchGenerateRefusesBadParameters) {
   expect_one_line_error(run_lily(b + " --generate 4 --temperature -1"), "--temperature");
   expect_one_line_error(run_lily(b + " --temperature 0.5"), "--temperature is for --generate");
   expect_one_line_error(run_lily(b + " --generate 4 --reuse 8"), "at most one of");
+  // The decode step's profile, trace and probes are the cuda backend's: refused, not ignored.
+  for (const char* f : {"--profile", "--trace", "--handover", "--persistent"})
+    expect_one_line_error(run_lily(b + " " + f), std::string(f) + ": a probe of the cuda backend");
 }
 
 TEST(CliText, TokenizeDetokenizeRoundTrip) {

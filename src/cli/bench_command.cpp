@@ -1143,8 +1143,8 @@ int cmd_bench(int argc, char** argv) {
   if (a.has("--draft") + a.has("--reuse") + a.has("--generate") + a.has("--sampling") > 1)
     fail("bench: give at most one of --draft, --reuse, --generate, --sampling");
   if (a.has("--sampling") && s.backend != "cuda") fail("bench --sampling: on-device sampling is the cuda backend's");
-  for (const char* f : {"--handover", "--persistent"})
-    if (a.has(f) && s.backend != "cuda") fail("bench ", f, ": a probe of the cuda backend");
+  for (const char* f : {"--handover", "--persistent", "--profile", "--trace"})
+    if (a.has(f) && s.backend != "cuda") fail("bench ", f, ": a probe of the cuda backend (give --backend cuda)");
   // --generate: checked before the model loads.
   for (const char* f : {"--temperature", "--top-k", "--top-p", "--min-p", "--json-object", "--tokenizer", "--logprobs"})
     if (a.has(f) && !a.has("--generate")) fail("bench: ", f, " is for --generate");
