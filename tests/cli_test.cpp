@@ -186,6 +186,20 @@ TEST(Cli, BenchGenerateCountsTheTokensAndTimesBothLoops) {
   }
 }
 
+// --backend auto (the default) settles as the other commands' does: cuda
+// where a GPU lily's kernels run on is present, cpu otherwise.
+TEST(Cli, BenchBackendAutoSettlesOnTheDefault) {
+  test::TempModelDir tmp("qwen3");
+  const std::string json = tmp.file("bench.json");
+  CliRun r = run_lily("bench --backend auto --threads 1 --model " + test::fixture_dir("qwen3") +
+                      " --ctx 8 --tokens 2 --warmup 0 --repeats 1 --json " + json);
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::ifstream in(json);
+  EXPECT_EQ(nlohmann::json::parse(in).at("backend"), default_backend_kind());
+  expect_one_line_error(run_lily("bench --backend metal --model " + test::fixture_dir("qwen3")),
+                        "unknown backend 'metal' (cpu, cuda, auto)");
+}
+
 TEST(Cli, BenchGenerateRefusesBadParameters) {
   const std::string b = "bench --backend cpu --model " + test::fixture_dir("qwen3") + " --ctx 8";
   expect_one_line_error(run_lily(b + " --generate 0"), "--generate");

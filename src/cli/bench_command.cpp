@@ -1127,7 +1127,8 @@ int cmd_bench(int argc, char** argv) {
           "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer", "--logprobs"},
          {"--profile", "--trace", "--handover", "--persistent", "--sampling", "--json-object"});
   Setup s;
-  s.backend = a.str("--backend", default_backend_kind());
+  s.backend = a.str("--backend", "auto");
+  if (s.backend == "auto") s.backend = default_backend_kind();  // as the other commands' `auto`
   s.cpu_act = a.str("--cpu-act", "auto");
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
   if (a.has("--prefill") && a.str("--prefill") != "none") s.prefill = parse_int_list(a.str("--prefill"), "--prefill");
@@ -1203,7 +1204,7 @@ int cmd_bench(int argc, char** argv) {
   } else if (s.backend == "cpu") {
     j = bench_cpu(std::move(w), s, static_cast<int>(a.integer("--threads", 0, 0, 1024)));
   } else {
-    fail("bench: unknown backend '", s.backend, "' (cpu, cuda)");
+    fail("bench: unknown backend '", s.backend, "' (cpu, cuda, auto)");
   }
   if (a.has("--json")) {
     std::ofstream f(a.str("--json"));
