@@ -74,20 +74,19 @@ void Backend::forward_draft_sample(SequenceCache&, std::span<const int>, std::sp
 
 std::string default_backend_kind() { return cuda_device_available() ? "cuda" : "cpu"; }
 
-namespace {
 // "auto" settles on cpu without a word when there is no GPU at all; a GPU
 // that is there but unusable is worth one line (the user may expect it).
-std::string resolve_auto() {
-  const std::string kind = default_backend_kind();
-  if (kind == "cpu" && cuda_device_present())
+std::string resolve_backend_kind(const std::string& kind) {
+  if (kind != "auto") return kind;
+  const std::string k = default_backend_kind();
+  if (k == "cpu" && cuda_device_present())
     std::fprintf(stderr, "lily: using the cpu backend: %s\n", cuda_unavailable_reason().c_str());
-  return kind;
+  return k;
 }
-}  // namespace
 
 std::unique_ptr<Backend> make_backend(std::unique_ptr<ModelWeights> weights,
                                       const BackendOptions& options) {
-  const std::string kind = options.kind == "auto" ? resolve_auto() : options.kind;
+  const std::string kind = resolve_backend_kind(options.kind);
   const std::string& kv = options.kv_cache;
   cuda::KvType kv_type = cuda::KvType::BF16;
   if (!kv.empty() && !cuda::parse_kv_type(kv, kv_type))

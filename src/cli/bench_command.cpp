@@ -1127,8 +1127,7 @@ int cmd_bench(int argc, char** argv) {
           "--cpu-act", "--generate", "--temperature", "--top-k", "--top-p", "--min-p", "--tokenizer", "--logprobs"},
          {"--profile", "--trace", "--handover", "--persistent", "--sampling", "--json-object"});
   Setup s;
-  s.backend = a.str("--backend", "auto");
-  if (s.backend == "auto") s.backend = default_backend_kind();  // as the other commands' `auto`
+  s.backend = resolve_backend_kind(a.str("--backend", "auto"));  // as make_backend settles `auto`
   s.cpu_act = a.str("--cpu-act", "auto");
   s.ctxs = parse_int_list(a.str("--ctx", "256,4096"), "--ctx");
   if (a.has("--prefill") && a.str("--prefill") != "none") s.prefill = parse_int_list(a.str("--prefill"), "--prefill");

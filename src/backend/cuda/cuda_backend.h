@@ -28,6 +28,9 @@ bool cuda_device_present();
 // accepts "auto").
 // Defined in backend.cpp; belongs in backend.h once that header takes it.
 std::string default_backend_kind();
+// `kind` with "auto" settled as make_backend settles it (default_backend_kind,
+// with one line on stderr when a GPU is there but unusable); other kinds as given.
+std::string resolve_backend_kind(const std::string& kind);
 
 namespace cuda {
 
